@@ -1,0 +1,5 @@
+import sys
+
+from lopd.cli import main
+
+sys.exit(main())

@@ -1,0 +1,185 @@
+"""The ``lopd`` command.
+
+Each subcommand is a thin wrapper: it parses arguments, loads the config and calls library code.
+Commands that measure something print a table and, with ``--json PATH``, write the same figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+from lopd import __version__
+from lopd.config import ConfigError, describe, load_config
+from lopd.report import format_table, key_value_table, write_json
+
+# The pipeline of `lopd quickstart`, in order: (stage, module that implements it, command).
+PIPELINE = [
+    ("tiny tokenizer + model", "lopd.models", "lopd model new"),
+    ("toolworld environment", "lopd.envs.toolworld", "lopd tasks / lopd eval"),
+    ("agent loop + rollout engine", "lopd.agent", "lopd eval"),
+    ("base model (SFT)", "lopd.base", "lopd base"),
+    ("experience bank", "lopd.experience", "lopd bank"),
+    ("composer cold start", "lopd.algorithms.cold_start", "lopd cold-start"),
+    ("LOPD training", "lopd.algorithms.lopd", "lopd train --algo lopd"),
+    ("GRPO baseline", "lopd.algorithms.grpo", "lopd train --algo grpo"),
+    ("comparison", "lopd.experiments.compare", "lopd compare"),
+]
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default="tiny",
+                   help="preset name (tiny) or path to a YAML config (default: tiny)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config value; repeatable, e.g. --set train.learning_rate=3e-4")
+
+
+def _add_json_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", dest="json_path", metavar="PATH",
+                   help="also write the printed figures to PATH as JSON")
+
+
+# ----------------------------------------------------------------------------------------------
+# Commands
+
+
+def cmd_model_new(args) -> int:
+    from lopd import models, runtime
+    from lopd.corpus import read_corpus, synthetic_transcripts
+
+    cfg = load_config(args.config, args.overrides)
+    runtime.setup(cfg.run)
+    corpus = read_corpus(args.corpus) if args.corpus else synthetic_transcripts(seed=cfg.run.seed)
+    figures = build_and_save(cfg, corpus, Path(args.out))
+    print(key_value_table(figures, title=f"built {figures['path']}"))
+    write_json(args.json_path, figures)
+    return 0
+
+
+def build_and_save(cfg, corpus: list[str], out: Path) -> dict:
+    from lopd import models
+
+    start = time.perf_counter()
+    tokenizer = models.train_tokenizer(corpus, vocab_size=cfg.model.vocab_size)
+    model = models.build_model(tokenizer, preset=cfg.model.preset, seed=cfg.run.seed,
+                               max_position_embeddings=cfg.model.max_position_embeddings)
+    models.save_model(model, tokenizer, out)
+    return {
+        "path": str(out),
+        "preset": cfg.model.preset,
+        "parameters": models.count_parameters(model),
+        "vocab_size": len(tokenizer),
+        "corpus_texts": len(corpus),
+        "seed": cfg.run.seed,
+        "seconds": round(time.perf_counter() - start, 2),
+    }
+
+
+def cmd_model_info(args) -> int:
+    from lopd import models
+
+    info = models.model_info(args.path)
+    print(key_value_table(info, title=f"model {info['path']}"))
+    write_json(args.json_path, info)
+    return 0
+
+
+def cmd_config(args) -> int:
+    cfg = load_config(args.config, args.overrides)
+    values = cfg.to_dict()
+    rows = []
+    for key, default, help_text in describe():
+        section, name = key.split(".", 1)
+        rows.append([key, repr(values[section][name]), help_text])
+    print(format_table(["key", "value", "meaning"], rows, title=f"config {args.config}"))
+    write_json(args.json_path, values)
+    return 0
+
+
+def cmd_quickstart(args) -> int:
+    from lopd import runtime
+    from lopd.corpus import synthetic_transcripts
+
+    cfg = load_config(args.config, args.overrides)
+    runtime.setup(cfg.run)
+    out = Path(cfg.run.output_dir) / "quickstart"
+    print(f"lopd {__version__} quickstart -> {out}")
+    figures = build_and_save(cfg, synthetic_transcripts(seed=cfg.run.seed), out / "model")
+    print(key_value_table(figures, title="built the tiny default tokenizer and model"))
+    stages = [[stage, "available" if _module_exists(module) else "not built yet", command]
+              for stage, module, command in PIPELINE]
+    print()
+    print(format_table(["pipeline stage", "status", "command"], stages, title="pipeline"))
+    write_json(args.json_path, {"model": figures,
+                                "stages": {s: st for s, st, _ in stages}})
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lopd", description="Latent On-Policy Self-Distillation of LLM agents.")
+    parser.add_argument("--version", action="version", version=f"lopd {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("quickstart", help="run the pipeline on the embedded tiny default",
+                       description="Run every pipeline stage that exists on the tiny default model.")
+    _add_config_args(p)
+    _add_json_arg(p)
+    p.set_defaults(func=cmd_quickstart)
+
+    p = sub.add_parser("config", help="print the resolved config with the meaning of each key",
+                       description="Print every config key, its value after overrides, and its "
+                       "meaning.")
+    _add_config_args(p)
+    _add_json_arg(p)
+    p.set_defaults(func=cmd_config)
+
+    model = sub.add_parser("model", help="build or inspect models",
+                           description="Build the tiny default model or inspect a model folder.")
+    msub = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)
+    p = msub.add_parser("new", help="train a tokenizer and build a random-initialised tiny model",
+                        description="Train a byte-level BPE tokenizer on a corpus and build a "
+                        "Qwen3 model from the preset in the config (model.preset), seeded by "
+                        "run.seed; saved in Hugging Face format.")
+    p.add_argument("--out", required=True, help="folder to write the model and tokenizer to")
+    p.add_argument("--corpus", help="tokenizer corpus: .txt (one text per line) or .jsonl "
+                   "('text' field); default: built-in synthetic tool-use transcripts")
+    _add_config_args(p)
+    _add_json_arg(p)
+    p.set_defaults(func=cmd_model_new)
+
+    p = msub.add_parser("info", help="parameters, vocabulary, special tokens of a model folder",
+                        description="Print facts about a saved model: parameter count, shape, "
+                        "vocabulary, special tokens and whether a chat template is present.")
+    p.add_argument("path", help="model folder, or 'tiny' for the embedded default")
+    _add_json_arg(p)
+    p.set_defaults(func=cmd_model_info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, FileNotFoundError, ValueError) as exc:
+        print(f"lopd {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

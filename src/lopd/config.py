@@ -1,0 +1,286 @@
+"""Typed, documented configuration.
+
+Every knob is a field of a dataclass with a help text and, where it has one, its allowed range or
+choices. Configs come from a YAML file (a preset name such as ``tiny`` or a path) plus
+``--set section.key=value`` overrides; anything wrong — an unknown key, a wrong type, a value out of
+range — fails at start-up with a :class:`ConfigError` that names the key and what is allowed.
+
+Field names follow TRL where the concept is the same (``learning_rate``, ``max_grad_norm``,
+``num_generations``, ``temperature``, ``max_completion_length``, ``beta``, ``epsilon``,
+``epsilon_high``, ``seed``) so people coming from there find their way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+PRESET_DIR = Path(__file__).parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is wrong; the message names the key and what is allowed."""
+
+
+def knob(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
+         le: float | None = None, lt: float | None = None) -> Any:
+    """A documented config field. ``ge``/``gt``/``le``/``lt`` bound numeric values."""
+    meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class RunConfig:
+    """Process-wide settings: reproducibility, threads, devices and where outputs go."""
+
+    seed: int = knob(0, "Seed applied to Python's random, numpy, torch and faiss.", ge=0)
+    num_threads: int = knob(
+        1, "CPU threads for torch and faiss. On shared 2-core machines 1 is often far faster than 2.",
+        ge=1)
+    device: Literal["auto", "cpu", "cuda", "mps"] = knob(
+        "auto", "Device for models: 'auto' picks cuda when present, else cpu.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = knob(
+        "auto", "Model dtype: 'auto' is float32 on cpu and bfloat16 on cuda.")
+    output_dir: str = knob("runs", "Folder under which every command writes its outputs.")
+
+
+@dataclass
+class ModelConfig:
+    """Which causal LM to use, and how to build the tiny default when asked to."""
+
+    name_or_path: str = knob(
+        "tiny", "A local folder with a Hugging Face causal LM and tokenizer, a hub id (only where a "
+        "network exists), or 'tiny' for the embedded default model.")
+    preset: Literal["tiny", "small"] = knob(
+        "tiny", "Architecture preset for a newly built model: 'tiny' (hidden 128, 2 layers, ~1M "
+        "parameters) or 'small' (hidden 256, 4 layers, ~4M parameters).")
+    vocab_size: int = knob(
+        2048, "Target vocabulary size of a newly trained byte-level BPE tokenizer (special tokens "
+        "included).", ge=300)
+    max_position_embeddings: int = knob(
+        2048, "Longest sequence (prompt + all turns) a newly built model supports.", ge=64)
+    trust_remote_code: bool = knob(False, "Allow model repositories that ship their own code.")
+
+
+@dataclass
+class RolloutConfig:
+    """How the student acts: sampling settings of the rollout engine and the episode limits."""
+
+    engine: Literal["transformers", "vllm"] = knob(
+        "transformers", "Generation engine: transformers (default, CPU or GPU) or vLLM (GPU extra).")
+    temperature: float = knob(1.0, "Sampling temperature; 0 means greedy decoding.", ge=0.0)
+    top_p: float = knob(1.0, "Nucleus sampling mass (1.0 disables it).", gt=0.0, le=1.0)
+    top_k: int = knob(0, "Sample from the k most likely tokens only (0 disables it).", ge=0)
+    max_completion_length: int = knob(
+        96, "Most tokens the model may generate in one assistant turn.", ge=1)
+    max_turns: int = knob(8, "Most assistant turns in one episode before it is cut off.", ge=1)
+    batch_size: int = knob(32, "Episodes generated together in one batch.", ge=1)
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation settings shared by every training algorithm (same budget for all methods)."""
+
+    learning_rate: float = knob(1e-5, "AdamW learning rate of the student.", gt=0.0)
+    max_grad_norm: float = knob(1.0, "Gradient-norm clip of the student update.", gt=0.0)
+    weight_decay: float = knob(0.0, "AdamW weight decay.", ge=0.0)
+    rollouts_per_step: int = knob(32, "Rollouts (generations) collected for one training step.", ge=1)
+    num_generations: int = knob(
+        4, "Rollouts per task in one step (GRPO's group size G).", ge=1)
+    max_steps: int = knob(50, "Training steps.", ge=1)
+    beta: float = knob(0.0, "Coefficient of the KL-to-reference penalty (GRPO; 0 disables it).",
+                       ge=0.0)
+    epsilon: float = knob(0.2, "Lower PPO clip range: ratios below 1 - epsilon are clipped.",
+                          gt=0.0, lt=1.0)
+    epsilon_high: float = knob(0.2, "Upper PPO clip range: ratios above 1 + epsilon_high are "
+                               "clipped.", gt=0.0)
+    eval_every: int = knob(10, "Evaluate on held-out tasks every this many steps.", ge=1)
+    save_every: int = knob(10, "Write a checkpoint every this many steps.", ge=1)
+
+
+@dataclass
+class Config:
+    """The whole configuration of a run; one section per concern."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------------------------
+# Building a config from plain data, with checks that name the key.
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin in (list, tuple):
+        (inner, *_) = typing.get_args(tp) or (Any,)
+        return f"a list of {_type_name(inner)}"
+    if tp is type(None):
+        return "null"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
+        tp, getattr(tp, "__name__", str(tp)))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Return ``value`` as type ``tp`` or raise a ConfigError naming ``key``."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value in allowed and type(value) is type(allowed[allowed.index(value)]):
+            return value
+        raise ConfigError(f"{key}: got {value!r}; allowed values: "
+                          + ", ".join(repr(a) for a in allowed))
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}: got {value!r}; expected {_type_name(tp)}")
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: got {value!r}; expected {_type_name(tp)}")
+        (inner, *_) = typing.get_args(tp) or (Any,)
+        return [_coerce(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is type(None):
+        if value is None:
+            return None
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif tp is Any:
+        return value
+    raise ConfigError(f"{key}: got {value!r} ({type(value).__name__}); expected {_type_name(tp)}")
+
+
+def _check_range(value: Any, meta: typing.Mapping[str, Any], key: str) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return
+    bounds = [("ge", ">=", lambda v, b: v >= b), ("gt", ">", lambda v, b: v > b),
+              ("le", "<=", lambda v, b: v <= b), ("lt", "<", lambda v, b: v < b)]
+    for name, sym, ok in bounds:
+        bound = meta.get(name)
+        if bound is not None and not ok(value, bound):
+            allowed = " and ".join(f"{s} {meta[n]}" for n, s, _ in bounds if meta.get(n) is not None)
+            raise ConfigError(f"{key}: got {value!r}; allowed values are {allowed}")
+
+
+def from_dict(cls: type, data: typing.Mapping[str, Any] | None, prefix: str = "") -> Any:
+    """Build dataclass ``cls`` from nested plain data, checking keys, types and ranges."""
+    data = {} if data is None else data
+    where = prefix.rstrip(".") or "the top level"
+    if not isinstance(data, typing.Mapping):
+        raise ConfigError(f"{where}: expected a mapping of keys to values, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key in data:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"unknown key '{prefix}{key}'{hint}; allowed keys in {where}: "
+                              + ", ".join(fields))
+    kwargs = {}
+    for name, f in fields.items():
+        if name not in data:
+            continue
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = from_dict(tp, data[name], f"{prefix}{name}.")
+        else:
+            value = _coerce(data[name], tp, f"{prefix}{name}")
+            _check_range(value, f.metadata, f"{prefix}{name}")
+            kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _apply_override(data: dict[str, Any], assignment: str) -> None:
+    if "=" not in assignment:
+        raise ConfigError(f"--set {assignment!r}: expected section.key=value")
+    dotted, raw = assignment.split("=", 1)
+    parts = [p for p in dotted.strip().split(".") if p]
+    if len(parts) < 2:
+        raise ConfigError(f"--set {assignment!r}: the key must name a section and a field, "
+                          f"e.g. train.learning_rate=3e-4; sections: "
+                          + ", ".join(f.name for f in dataclasses.fields(Config)))
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {dotted}: cannot parse value {raw!r}: {exc}") from None
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {dotted}: '{part}' is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def resolve_config_path(name_or_path: str | Path) -> Path:
+    """A preset name (``tiny``) or a path to a YAML file."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") and path.exists():
+        return path
+    preset = PRESET_DIR / f"{name_or_path}.yaml"
+    if preset.exists():
+        return preset
+    presets = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+    raise ConfigError(f"config {str(name_or_path)!r} is neither a YAML file nor a preset; "
+                      f"presets: {', '.join(presets)}")
+
+
+def load_config(name_or_path: str | Path | None = None,
+                overrides: typing.Sequence[str] = ()) -> Config:
+    """Load a preset or YAML file (defaults when None), apply ``--set`` overrides, validate."""
+    data: dict[str, Any] = {}
+    if name_or_path is not None:
+        path = resolve_config_path(name_or_path)
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    for assignment in overrides:
+        _apply_override(data, assignment)
+    return from_dict(Config, data)
+
+
+def describe(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(key, default, help) for every field, for ``lopd config`` and the docs."""
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            rows.extend(describe(tp, f"{prefix}{f.name}."))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        rows.append((f"{prefix}{f.name}", repr(default), f.metadata.get("help", "")))
+    return rows

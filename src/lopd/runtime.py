@@ -1,0 +1,50 @@
+"""Process-wide knobs: seeds, CPU threads, device and dtype."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import torch
+
+
+def set_seed(seed: int) -> None:
+    """Seed Python's random, numpy and torch (all devices); faiss draws from numpy's state."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    os.environ["PYTHONHASHSEED"] = str(seed)
+
+
+def set_threads(num_threads: int) -> None:
+    """Use ``num_threads`` CPU threads in torch and faiss (1 is often fastest on shared cores)."""
+    if num_threads < 1:
+        raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+    torch.set_num_threads(num_threads)
+    try:
+        import faiss
+    except ImportError:
+        return
+    faiss.omp_set_num_threads(num_threads)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("run.device is 'cuda' but torch sees no CUDA device; use 'cpu' or 'auto'")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def setup(run_cfg) -> torch.device:
+    """Apply a :class:`lopd.config.RunConfig`: threads and seed; returns the device to use."""
+    set_threads(run_cfg.num_threads)
+    set_seed(run_cfg.seed)
+    return resolve_device(run_cfg.device)

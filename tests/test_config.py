@@ -1,0 +1,67 @@
+import pytest
+
+from lopd.config import Config, ConfigError, describe, load_config
+
+
+def test_defaults_match_the_tiny_preset():
+    assert load_config("tiny") == Config()
+
+
+def test_yaml_file_and_set_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  learning_rate: 3.0e-4\n  max_steps: 7\nrollout:\n  top_k: 5\n")
+    cfg = load_config(path, ["train.max_steps=9", "rollout.temperature=0", "run.device=cpu"])
+    assert cfg.train.learning_rate == pytest.approx(3e-4)
+    assert cfg.train.max_steps == 9          # --set wins over the file
+    assert cfg.rollout.top_k == 5
+    assert cfg.rollout.temperature == 0.0 and isinstance(cfg.rollout.temperature, float)
+    assert cfg.run.device == "cpu"
+    assert cfg.train.max_grad_norm == 1.0    # untouched keys keep their defaults
+
+
+@pytest.mark.parametrize("override, fragments", [
+    (["train.lr=1e-3"], ["unknown key 'train.lr'", "learning_rate"]),
+    (["trian.learning_rate=1e-3"], ["unknown key 'trian'", "did you mean 'train'"]),
+    (["train.max_steps=ten"], ["train.max_steps", "'ten'", "an integer"]),
+    (["train.max_steps=2.5"], ["train.max_steps", "an integer"]),
+    (["rollout.max_turns=true"], ["rollout.max_turns", "an integer"]),
+    (["train.learning_rate=-1"], ["train.learning_rate", "> 0.0"]),
+    (["rollout.top_p=1.5"], ["rollout.top_p", "<= 1.0"]),
+    (["run.device=tpu"], ["run.device", "'tpu'", "'cpu'", "'cuda'"]),
+    (["model.preset=huge"], ["model.preset", "'tiny'", "'small'"]),
+    (["learning_rate=1"], ["section and a field"]),
+    (["train.learning_rate"], ["section.key=value"]),
+])
+def test_errors_name_the_key_and_what_is_allowed(override, fragments):
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", override)
+    for fragment in fragments:
+        assert fragment in str(err.value)
+
+
+def test_unknown_key_in_yaml_is_named(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("rollout:\n  temprature: 0.7\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'rollout.temprature' \(did you mean 'temperature'\?\)"):
+        load_config(path)
+
+
+def test_section_must_be_a_mapping(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train: 3\n")
+    with pytest.raises(ConfigError, match="train: expected a mapping"):
+        load_config(path)
+
+
+def test_unknown_preset_lists_presets():
+    with pytest.raises(ConfigError, match="presets: .*tiny"):
+        load_config("no-such-preset")
+
+
+def test_every_field_is_documented():
+    rows = describe()
+    assert {key for key, _, _ in rows} >= {"train.learning_rate", "train.max_grad_norm",
+                                           "train.num_generations", "rollout.temperature",
+                                           "rollout.max_completion_length", "train.beta",
+                                           "train.epsilon", "train.epsilon_high", "run.seed"}
+    assert all(help_text for _, _, help_text in rows)

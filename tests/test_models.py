@@ -1,0 +1,87 @@
+import torch
+
+from lopd import models
+
+
+def test_special_tokens_survive_save_and_load(tiny_tokenizer, tmp_path):
+    tiny_tokenizer.save_pretrained(tmp_path)
+    loaded = models.load_tokenizer(tmp_path)
+    for token in models.SPECIAL_TOKENS:
+        ids = loaded.encode(token, add_special_tokens=False)
+        assert len(ids) == 1, token                       # never split into pieces
+        assert ids == tiny_tokenizer.encode(token, add_special_tokens=False)
+    assert loaded.pad_token == models.PAD_TOKEN and loaded.eos_token == models.IM_END
+    assert loaded.padding_side == "left"
+    text = "<|im_start|>user\nfind order O123<|latent|><|latent|><tool_call>{}</tool_call><|im_end|>"
+    assert loaded.encode(text) == tiny_tokenizer.encode(text)
+    assert loaded.decode(loaded.encode(text)) == text
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_order", "description": "Look up an order.",
+    "parameters": {"type": "object", "properties": {"order_id": {"type": "string"}},
+                   "required": ["order_id"]}}}]
+CHAT = [
+    {"role": "system", "content": "You are an agent."},
+    {"role": "user", "content": "Where is order O1?"},
+    {"role": "assistant", "content": '<tool_call>{"name": "get_order", "arguments": {"order_id": "O1"}}</tool_call>'},
+    {"role": "tool", "content": '{"status":"shipped"}'},
+    {"role": "assistant", "content": "Shipped. Task Completed"},
+]
+
+
+def test_chat_template_renders_every_role(tiny_tokenizer):
+    text = tiny_tokenizer.apply_chat_template(CHAT, tools=TOOLS, tokenize=False)
+    assert text == (
+        "<|im_start|>system\nYou are an agent.\nTools:\n- get_order(order_id): Look up an order.<|im_end|>\n"
+        "<|im_start|>user\nWhere is order O1?<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>{"name": "get_order", "arguments": {"order_id": "O1"}}</tool_call><|im_end|>\n'
+        '<|im_start|>tool\n{"status":"shipped"}<|im_end|>\n'
+        "<|im_start|>assistant\nShipped. Task Completed<|im_end|>\n")
+    prompt = tiny_tokenizer.apply_chat_template(CHAT[:2], tokenize=False, add_generation_prompt=True)
+    assert prompt == ("<|im_start|>system\nYou are an agent.<|im_end|>\n"
+                      "<|im_start|>user\nWhere is order O1?<|im_end|>\n<|im_start|>assistant\n")
+    # Tools without a system message still get a system turn; rendering matches the tokenizer-free path.
+    no_system = tiny_tokenizer.apply_chat_template(CHAT[1:2], tools=TOOLS, tokenize=False)
+    assert no_system.startswith("<|im_start|>system\nTools:\n- get_order(order_id)")
+    assert models.render_chat(CHAT, tools=TOOLS) == text
+    assert models.render_chat(CHAT[1:2], tools=TOOLS) == no_system
+
+
+def test_chat_template_tokenizes_to_a_dict(tiny_tokenizer):
+    out = tiny_tokenizer.apply_chat_template(CHAT[:2], tokenize=True, add_generation_prompt=True,
+                                             return_dict=True)
+    assert tiny_tokenizer.decode(out["input_ids"]).endswith("<|im_start|>assistant\n")
+
+
+def test_model_save_load_gives_identical_logits(tiny_tokenizer, tiny_model, tmp_path):
+    models.save_model(tiny_model, tiny_tokenizer, tmp_path)
+    loaded, tokenizer = models.load_model(tmp_path)
+    ids = torch.tensor([tokenizer.encode("<|im_start|>user\nhello order O12<|im_end|>")])
+    with torch.no_grad():
+        assert torch.equal(tiny_model(ids).logits, loaded(ids).logits)
+    assert models.model_info(tmp_path)["parameters"] == models.count_parameters(tiny_model)
+
+
+def test_seed_makes_initialisation_reproducible(tiny_tokenizer):
+    a = models.build_model(tiny_tokenizer, seed=3).state_dict()
+    b = models.build_model(tiny_tokenizer, seed=3).state_dict()
+    c = models.build_model(tiny_tokenizer, seed=4).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_building_a_model_leaves_the_global_rng_alone(tiny_tokenizer):
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    models.build_model(tiny_tokenizer, seed=5)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_presets_have_the_documented_sizes(tiny_tokenizer):
+    tiny = models.build_model(tiny_tokenizer, "tiny")
+    small = models.build_model(tiny_tokenizer, "small")
+    assert (tiny.config.hidden_size, tiny.config.num_hidden_layers) == (128, 2)
+    assert (small.config.hidden_size, small.config.num_hidden_layers) == (256, 4)
+    assert models.count_parameters(tiny) < models.count_parameters(small)
