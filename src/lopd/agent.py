@@ -1,0 +1,557 @@
+"""The agent: tool-call parsing, policies, and the multi-turn rollout loop with its action masks.
+
+An episode is one growing token sequence: the chat-template prompt, then for every turn the
+model's generated tokens followed by the template pieces that carry the tool's answer. The loop
+keeps three aligned lists over that sequence — ``input_ids``, ``action_mask`` (1 exactly on tokens
+the model generated) and the sampling policy's ``logprobs`` — so every trainer scores the very
+tokens the model saw and chose, never a re-tokenisation of the text.
+
+Invariant: ``tokenizer.decode(rollout.input_ids)`` equals
+``tokenizer.apply_chat_template(rollout.messages, tools=task.tools, tokenize=False)`` (no
+generation prompt), whatever way the episode ended. The template pieces between turns are cut out
+of the template's own rendering, so this holds for any ChatML-style template that renders message
+content verbatim (the project's own; Qwen-style templates that rewrite past turns, e.g. to drop
+reasoning, differ only in those rewritten turns).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+from abc import ABC, abstractmethod
+from collections import Counter, deque
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from lopd.envs.base import (FINAL_MARKER, Action, Environment, Episode, FinalAnswer, Malformed,
+                            Task, ToolCall)
+from lopd.models import IM_END, TOOL_CALL_END, TOOL_CALL_START
+from lopd.rollout.base import Generation, RolloutEngine, SamplingParams
+
+FINISH_REASONS = ("answer", "max_turns", "max_length", "env_done")
+"""Why an episode ended: the agent answered; it used its last turn; the next turn would not fit the
+model's context; the environment ended it after a tool call."""
+
+# ----------------------------------------------------------------------------------------------
+# Parsing the model's text into an action
+
+_TYPE_NAMES = {"string": "a string", "integer": "an integer", "number": "a number",
+               "boolean": "a boolean", "array": "an array", "object": "an object", "null": "null"}
+
+
+def _short(text: str, limit: int = 40) -> str:
+    """``text`` on one line, cut after ``limit`` characters (marked with "...")."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _function(tool: dict) -> dict:
+    """The function part of a tool schema, in the HF/OpenAI wrapper format or bare."""
+    return tool.get("function", tool) if isinstance(tool, dict) else {}
+
+
+def _has_type(value: Any, type_name: str) -> bool:
+    # bool is a subclass of int in Python but not an integer or number in JSON schema.
+    if type_name == "string":
+        return isinstance(value, str)
+    if type_name == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if type_name == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if type_name == "boolean":
+        return isinstance(value, bool)
+    if type_name == "array":
+        return isinstance(value, list)
+    if type_name == "object":
+        return isinstance(value, dict)
+    if type_name == "null":
+        return value is None
+    return True  # a type this checker does not know is not held against the model
+
+
+def _value_error(value: Any, schema: Any, name: str) -> str | None:
+    """Why ``value`` does not match ``schema`` (type, enum, array items, nested object), or None."""
+    if not isinstance(schema, dict):
+        return None
+    types = schema.get("type")
+    if types is not None:
+        names = [types] if isinstance(types, str) else [t for t in types if isinstance(t, str)]
+        if names and not any(_has_type(value, t) for t in names):
+            return f"argument '{name}' must be " + " or ".join(_TYPE_NAMES.get(t, t) for t in names)
+    enum = schema.get("enum")
+    # Compared as JSON values: true is not 1 and 1 is not "1".
+    if isinstance(enum, list) and not any(
+            value == v and isinstance(value, bool) == isinstance(v, bool) for v in enum):
+        return f"argument '{name}' must be one of " + ", ".join(json.dumps(v) for v in enum)
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            error = _value_error(item, schema.get("items"), f"{name}[{i}]")
+            if error:
+                return error
+    if isinstance(value, dict) and isinstance(schema.get("properties"), dict):
+        return _object_error(value, schema, prefix=f"{name}.")
+    return None
+
+
+def _object_error(arguments: dict, schema: dict, prefix: str = "") -> str | None:
+    """Why ``arguments`` do not match an object schema: unknown, missing or ill-typed keys."""
+    properties = schema.get("properties")
+    properties = properties if isinstance(properties, dict) else {}
+    if schema.get("additionalProperties") is not True:
+        for key in arguments:
+            if key not in properties:
+                return f"unknown argument '{prefix}{_short(key)}'"
+    required = schema.get("required")
+    for key in required if isinstance(required, list) else []:
+        if key not in arguments:
+            return f"missing argument '{prefix}{key}'"
+    for key, value in arguments.items():
+        error = _value_error(value, properties.get(key), f"{prefix}{key}")
+        if error:
+            return error
+    return None
+
+
+def parse_action(text: str, tools: list[dict]) -> Action:
+    """Read one assistant message as a tool call, the final answer, or a malformed action.
+
+    A tool call is exactly one ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (text
+    before it is allowed, text after it is not) whose name is one of ``tools`` and whose arguments
+    satisfy that tool's JSON schema. A message without a tool call is the final answer when it
+    contains "Task Completed". Everything else is :class:`Malformed` with a short, specific error
+    meant to be shown to the model. Never raises.
+    """
+    if TOOL_CALL_START not in text:
+        if FINAL_MARKER in text:
+            return FinalAnswer(text)
+        return Malformed(text, f"no tool call and no '{FINAL_MARKER}'")
+    after_start = text.split(TOOL_CALL_START, 1)[1]
+    if TOOL_CALL_START in after_start:
+        return Malformed(text, "more than one tool call; write exactly one")
+    if TOOL_CALL_END not in after_start:
+        return Malformed(text, f"missing {TOOL_CALL_END} closing tag")
+    body, rest = after_start.split(TOOL_CALL_END, 1)
+    if rest.strip():
+        return Malformed(text, f"text after {TOOL_CALL_END}")
+    try:
+        call = json.loads(body)
+    except (ValueError, RecursionError):  # RecursionError: absurdly nested brackets
+        return Malformed(text, "invalid JSON in tool call")
+    if not isinstance(call, dict):
+        return Malformed(text, "tool call must be a JSON object with 'name' and 'arguments'")
+    name = call.get("name")
+    if not isinstance(name, str):
+        return Malformed(text, "tool call needs a string 'name'")
+    schemas = {_function(t).get("name"): _function(t).get("parameters") or {} for t in tools}
+    if name not in schemas:
+        return Malformed(text, f"unknown tool '{_short(name)}'")
+    if "arguments" not in call:
+        return Malformed(text, "tool call needs an 'arguments' object")
+    arguments = call["arguments"]
+    if not isinstance(arguments, dict):
+        return Malformed(text, "'arguments' must be a JSON object")
+    error = _object_error(arguments, schemas[name])
+    if error:
+        return Malformed(text, error)
+    return ToolCall(name, arguments)
+
+
+# ----------------------------------------------------------------------------------------------
+# The rollout record
+
+
+def _action_kind(action: Action) -> str:
+    if isinstance(action, ToolCall):
+        return "tool_call"
+    return "answer" if isinstance(action, FinalAnswer) else "malformed"
+
+
+@dataclass
+class Rollout:
+    """One finished episode: the token sequence for training, the chat for people and retrieval."""
+
+    task_id: str
+    domain: str
+    instruction: str
+    input_ids: list[int]
+    """The whole conversation as the model saw it: prompt, then every turn and tool message."""
+    action_mask: list[int]
+    """1 exactly on tokens the model generated (its closing <|im_end|> included when it produced
+    it); 0 on the prompt, tool messages and template tokens."""
+    logprobs: list[float]
+    """Aligned with ``input_ids``: the sampling policy's log-prob on action tokens, else 0.0."""
+    prompt_length: int
+    """Number of leading tokens that render the initial messages (system + user), without the
+    generation prompt: ``input_ids[prompt_length:]`` is the agent's trajectory."""
+    reward: float
+    success: bool
+    checks: list[tuple[str, bool]]
+    num_turns: int
+    messages: list[dict]
+    """The full chat: initial messages, then assistant and tool messages."""
+    turns: list[dict]
+    """Per assistant turn: ``{"action": text, "kind": "tool_call" | "answer" | "malformed",
+    "call": {"name", "arguments"} or None, "observation": tool text or None}``."""
+    finish_reason: str
+    """One of :data:`FINISH_REASONS`."""
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(self.action_mask)
+
+    def compact_trace(self, max_observation_chars: int = 80) -> str:
+        """The task and one line per action, observations cut to ``max_observation_chars``.
+
+        This is the document the experience bank embeds and the composer reads: the decisions in
+        full, the verbose tool output only as a short summary.
+        """
+        lines = [f"Task: {self.instruction}"]
+        for n, turn in enumerate(self.turns, 1):
+            if turn["kind"] == "tool_call":
+                call = turn["call"]
+                action = f"{call['name']}({json.dumps(call['arguments'])})"
+            elif turn["kind"] == "answer":
+                action = "answer: " + _short(turn["action"], max_observation_chars)
+            else:
+                action = "malformed: " + _short(turn["action"], max_observation_chars)
+            if turn["observation"] is not None:
+                action += " -> " + _short(turn["observation"], max_observation_chars)
+            lines.append(f"{n}. {action}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Rollout:
+        data = dict(data)
+        data["checks"] = [(str(name), bool(passed)) for name, passed in data["checks"]]
+        return cls(**data)
+
+
+# ----------------------------------------------------------------------------------------------
+# Policies
+
+
+@dataclass(frozen=True)
+class TurnContext:
+    """What a policy sees when it is asked for one assistant turn."""
+
+    task: Task
+    turn: int
+    """0-based index of this assistant turn in the episode."""
+    prompt_ids: list[int]
+    """The conversation so far, ending with the generation prompt."""
+
+
+class Policy(ABC):
+    """Produces the next assistant turn for a batch of episodes."""
+
+    max_length: int | None = None
+    """Longest sequence the policy can read (the model's context); None when unbounded."""
+
+    @abstractmethod
+    def act(self, contexts: list[TurnContext], max_new_tokens: int, tokenizer) -> list[Generation]:
+        """One generation per context, in order. Generated ids end with ``<|im_end|>`` when the
+        turn was closed."""
+
+
+class ModelPolicy(Policy):
+    """The model acting through a rollout engine: one ``engine.generate`` call per turn and batch.
+
+    ``params.max_new_tokens`` is replaced by the loop's per-turn limit. With ``params.seed`` set,
+    each call gets the next seed of a stream drawn from it, so turns do not reuse the same random
+    numbers while a whole run stays reproducible.
+    """
+
+    def __init__(self, engine: RolloutEngine, tokenizer, params: SamplingParams):
+        im_end = tokenizer.convert_tokens_to_ids(IM_END)
+        if im_end not in engine.stop_token_ids:
+            raise ValueError(f"the engine must stop at {IM_END} (id {im_end}) to end assistant "
+                             f"turns; its stop ids are {sorted(engine.stop_token_ids)}")
+        self.engine = engine
+        self.params = params
+        self.max_length = engine.max_length
+        self._seeds = random.Random(params.seed) if params.seed is not None else None
+
+    def act(self, contexts: list[TurnContext], max_new_tokens: int, tokenizer) -> list[Generation]:
+        seed = self._seeds.getrandbits(63) if self._seeds is not None else None
+        params = replace(self.params, max_new_tokens=max_new_tokens, seed=seed)
+        return self.engine.generate([c.prompt_ids for c in contexts], params)
+
+
+class ScriptedPolicy(Policy):
+    """A policy that writes text by rule, for harness checks (gold replays, junk baselines).
+
+    Its token ids are ``tokenizer(text)`` plus ``<|im_end|>`` with log-prob 0, so its rollouts have
+    the same shape as the model's. Scripted text is not cut to ``max_new_tokens``.
+    """
+
+    @abstractmethod
+    def text(self, context: TurnContext) -> str:
+        """The assistant message for this turn."""
+
+    def act(self, contexts: list[TurnContext], max_new_tokens: int, tokenizer) -> list[Generation]:
+        im_end = tokenizer.convert_tokens_to_ids(IM_END)
+        generations = []
+        for context in contexts:
+            ids = tokenizer(self.text(context), add_special_tokens=False)["input_ids"] + [im_end]
+            generations.append(Generation(token_ids=ids, logprobs=[0.0] * len(ids), finished=True))
+        return generations
+
+
+class OraclePolicy(ScriptedPolicy):
+    """Replays the task's oracle solution turn by turn (must score 1.0 on a correct harness)."""
+
+    def text(self, context: TurnContext) -> str:
+        texts = context.task.oracle_texts()
+        return texts[min(context.turn, len(texts) - 1)]
+
+
+class FixedTextPolicy(ScriptedPolicy):
+    """Writes the same text every turn (e.g. "Task Completed" to score the untouched state)."""
+
+    def __init__(self, text: str):
+        self.fixed_text = text
+
+    def text(self, context: TurnContext) -> str:
+        return self.fixed_text
+
+
+class RandomPolicy(ScriptedPolicy):
+    """Calls a random tool with random, schema-valid arguments; answers with small probability.
+
+    The choice depends only on (seed, task, turn), so batching never changes what it does.
+    """
+
+    def __init__(self, seed: int = 0, answer_probability: float = 0.1):
+        if not 0 <= answer_probability <= 1:
+            raise ValueError(f"answer_probability must be in [0, 1], got {answer_probability}")
+        self.seed = seed
+        self.answer_probability = answer_probability
+
+    def text(self, context: TurnContext) -> str:
+        rng = random.Random(f"{self.seed}/{context.task.task_id}/{context.turn}")
+        if not context.task.tools or rng.random() < self.answer_probability:
+            return FINAL_MARKER
+        function = _function(rng.choice(context.task.tools))
+        arguments = _random_object(function.get("parameters") or {}, rng)
+        return ToolCall(function["name"], arguments).to_text()
+
+
+def _random_object(schema: dict, rng: random.Random) -> dict:
+    properties = schema.get("properties") or {}
+    required = set(schema.get("required") or [])
+    return {key: _random_value(sub, rng) for key, sub in properties.items()
+            if key in required or rng.random() < 0.5}
+
+
+def _random_value(schema: dict, rng: random.Random) -> Any:
+    if schema.get("enum"):
+        return rng.choice(schema["enum"])
+    kind = schema.get("type", "string")
+    kind = kind if isinstance(kind, str) else rng.choice(kind)
+    if kind == "integer":
+        return rng.randint(schema.get("minimum", 0), schema.get("maximum", 20))
+    if kind == "number":
+        return round(rng.uniform(schema.get("minimum", 0), schema.get("maximum", 100)), 2)
+    if kind == "boolean":
+        return rng.random() < 0.5
+    if kind == "array":
+        return [_random_value(schema.get("items") or {}, rng) for _ in range(rng.randint(0, 2))]
+    if kind == "object":
+        return _random_object(schema, rng)
+    if kind == "null":
+        return None
+    return "".join(rng.choices(string.ascii_uppercase + string.digits, k=rng.randint(1, 6)))
+
+
+# ----------------------------------------------------------------------------------------------
+# The rollout loop
+
+# Stands in for an assistant message's content so that the template piece after the turn can be
+# cut out of a rendering exactly, whatever the content is.
+_CONTENT_PLACEHOLDER = "\x00lopd-assistant-content\x00"
+
+
+class _EpisodeRun:
+    """One episode in flight: the environment episode and the growing token sequence."""
+
+    def __init__(self, index: int, episode: Episode, tokenizer):
+        self.index = index
+        self.episode = episode
+        self.task = episode.task
+        self.tokenizer = tokenizer
+        self.im_end = tokenizer.convert_tokens_to_ids(IM_END)
+        self.messages = [dict(m) for m in episode.messages()]
+        with_prompt = self._template(self.messages, add_generation_prompt=True, tokenize=True)
+        without = self._template(self.messages, add_generation_prompt=False, tokenize=True)
+        if with_prompt[:len(without)] != without:
+            raise ValueError("the chat template's generation prompt does not extend the prompt's "
+                             "tokens; the agent loop needs an append-only template")
+        self.generation_prompt = with_prompt[len(without):]
+        self.input_ids: list[int] = list(without)
+        self.action_mask = [0] * len(without)
+        self.logprobs = [0.0] * len(without)
+        self.prompt_length = len(without)
+        self.turns: list[dict] = []
+
+    def _template(self, messages: list[dict], add_generation_prompt: bool, tokenize: bool):
+        out = self.tokenizer.apply_chat_template(
+            messages, tools=self.task.tools or None, add_generation_prompt=add_generation_prompt,
+            tokenize=tokenize, return_dict=tokenize)
+        return out["input_ids"] if tokenize else out
+
+    def _extend(self, ids: list[int], mask: int, logprobs: list[float] | None = None) -> None:
+        self.input_ids += ids
+        self.action_mask += [mask] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+
+    def _piece_after_assistant(self, tool_message: dict | None) -> list[int]:
+        """Token ids of what the template renders after the last assistant turn's <|im_end|>:
+        the turn's closing text and, when given, the tool message (no generation prompt)."""
+        messages = self.messages[:-1] + [{"role": "assistant", "content": _CONTENT_PLACEHOLDER}]
+        if tool_message is not None:
+            messages.append(tool_message)
+        rendered = self._template(messages, add_generation_prompt=False, tokenize=False)
+        marker = _CONTENT_PLACEHOLDER + IM_END
+        at = rendered.rfind(marker)
+        if at < 0:
+            raise ValueError(f"the chat template does not end assistant turns with {IM_END}")
+        return self.tokenizer(rendered[at + len(marker):], add_special_tokens=False)["input_ids"]
+
+    def fits_next_turn(self, max_new_tokens: int, max_length: int | None) -> bool:
+        return (max_length is None
+                or len(self.input_ids) + len(self.generation_prompt) + max_new_tokens <= max_length)
+
+    def context(self) -> TurnContext:
+        return TurnContext(self.task, len(self.turns), self.input_ids + self.generation_prompt)
+
+    def advance(self, generation: Generation, max_turns: int, max_length: int | None) -> str | None:
+        """Record one generated turn, step the environment; the finish reason once it is over."""
+        ids, logprobs = list(generation.token_ids), list(generation.logprobs)
+        # A turn always ends with <|im_end|>: the model's own (an action token), or one closed for
+        # it (mask 0) when it was cut off or stopped on another stop token such as the eos.
+        if ids and generation.finished and ids[-1] != self.im_end:
+            ids, logprobs = ids[:-1], logprobs[:-1]
+        closed = bool(ids) and ids[-1] == self.im_end
+        content_ids = ids[:-1] if closed else ids
+        text = self.tokenizer.decode(content_ids, skip_special_tokens=False,
+                                     clean_up_tokenization_spaces=False)
+        self._extend(self.generation_prompt, 0)
+        self._extend(ids, 1, logprobs)
+        if not closed:
+            self._extend([self.im_end], 0)
+        self.messages.append({"role": "assistant", "content": text})
+
+        action = parse_action(text, self.task.tools)
+        result = self.episode.step(action)
+        self.turns.append({
+            "action": text, "kind": _action_kind(action),
+            "call": {"name": action.name, "arguments": action.arguments}
+            if isinstance(action, ToolCall) else None,
+            "observation": result.observation})
+
+        if isinstance(action, FinalAnswer):
+            reason = "answer"
+        elif result.done:
+            reason = "env_done"
+        elif len(self.turns) >= max_turns:
+            reason = "max_turns"
+        else:
+            reason = None
+        if result.observation is None:
+            self._extend(self._piece_after_assistant(None), 0)
+            return reason
+        tool_message = {"role": "tool", "content": result.observation}
+        piece = self._piece_after_assistant(tool_message)
+        if max_length is not None and len(self.input_ids) + len(piece) > max_length:
+            # The tool's answer does not fit the context: the sequence ends with the agent's turn.
+            self._extend(self._piece_after_assistant(None), 0)
+            return "max_length"
+        self._extend(piece, 0)
+        self.messages.append(tool_message)
+        return reason
+
+    def finish(self, reason: str) -> Rollout:
+        verdict = self.episode.verify()
+        return Rollout(
+            task_id=self.task.task_id, domain=self.task.domain, instruction=self.task.instruction,
+            input_ids=self.input_ids, action_mask=self.action_mask, logprobs=self.logprobs,
+            prompt_length=self.prompt_length, reward=float(verdict.reward),
+            success=bool(verdict.success), checks=[(str(d), bool(p)) for d, p in verdict.checks],
+            num_turns=len(self.turns), messages=self.messages, turns=self.turns,
+            finish_reason=reason)
+
+
+def run_episodes(env: Environment, tasks: list[Task], policy: Policy, tokenizer, max_turns: int,
+                 max_new_tokens: int, batch_size: int, progress: bool = False,
+                 max_length: int | None = None) -> list[Rollout]:
+    """Run one episode per task and return the rollouts in the order of ``tasks``.
+
+    Up to ``batch_size`` episodes run side by side; every turn the policy acts for all of them in
+    one call. An episode that ends leaves the batch and the next task takes its place, so the
+    batch stays full until the queue is empty. An episode ends when the agent answers, after
+    ``max_turns`` turns, or when its next turn would not fit ``max_length`` tokens (default: the
+    policy's context length); its reward comes from ``episode.verify()`` in every case.
+    """
+    if max_turns < 1 or max_new_tokens < 1 or batch_size < 1:
+        raise ValueError("max_turns, max_new_tokens and batch_size must all be >= 1")
+    max_length = max_length if max_length is not None else policy.max_length
+    results: list[Rollout | None] = [None] * len(tasks)
+    queue = deque(enumerate(tasks))
+    active: list[_EpisodeRun] = []
+    with tqdm(total=len(tasks), disable=not progress, desc="episodes", unit="ep") as bar:
+        def done(run: _EpisodeRun, reason: str) -> None:
+            results[run.index] = run.finish(reason)
+            bar.update(1)
+
+        while queue or active:
+            while queue and len(active) < batch_size:
+                index, task = queue.popleft()
+                run = _EpisodeRun(index, env.reset(task), tokenizer)
+                if run.fits_next_turn(max_new_tokens, max_length):
+                    active.append(run)
+                else:
+                    done(run, "max_length")
+            if not active:
+                continue
+            generations = policy.act([run.context() for run in active], max_new_tokens, tokenizer)
+            still_active = []
+            for run, generation in zip(active, generations, strict=True):
+                reason = run.advance(generation, max_turns, max_length)
+                if reason is None and not run.fits_next_turn(max_new_tokens, max_length):
+                    reason = "max_length"
+                if reason is None:
+                    still_active.append(run)
+                else:
+                    done(run, reason)
+            active = still_active
+    return results
+
+
+def summarize(rollouts: list[Rollout]) -> dict:
+    """Headline figures of a set of rollouts, overall and per domain (what ``lopd eval`` prints)."""
+    if not rollouts:
+        raise ValueError("no rollouts to summarize")
+
+    def figures(group: list[Rollout]) -> dict:
+        n = len(group)
+        return {
+            "episodes": n,
+            "mean_reward": sum(r.reward for r in group) / n,
+            "success_rate": sum(r.success for r in group) / n,
+            "mean_turns": sum(r.num_turns for r in group) / n,
+            "generated_tokens": sum(r.generated_tokens for r in group),
+        }
+
+    by_domain: dict[str, list[Rollout]] = {}
+    for rollout in rollouts:
+        by_domain.setdefault(rollout.domain, []).append(rollout)
+    summary = figures(rollouts)
+    summary["finish_reasons"] = dict(Counter(r.finish_reason for r in rollouts))
+    summary["per_domain"] = {domain: figures(group) for domain, group in sorted(by_domain.items())}
+    return summary

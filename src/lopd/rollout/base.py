@@ -1,0 +1,73 @@
+"""The rollout-engine interface: token ids in, sampled token ids and their log-probs out.
+
+Engines see token ids only, never text or chat messages: the agent loop owns the chat format and
+the token bookkeeping, so every engine produces sequences that line up exactly with what the
+trainer scores. A vLLM engine implements the same :meth:`RolloutEngine.generate` with
+``TokensPrompt`` inputs; its prefix cache then reuses the shared conversation prefix across the
+turns of an episode, which the transformers engine recomputes.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the next token. Names follow vLLM / TRL."""
+
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy decoding."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the fewest most likely tokens whose mass reaches ``top_p`` (1 = off)."""
+    top_k: int = 0
+    """Keep only the ``top_k`` most likely tokens (0 = off)."""
+    max_new_tokens: int = 96
+    """Most tokens generated for one prompt (the stop token included)."""
+    seed: int | None = None
+    """Seed of the sampler; the same seed, prompts and model give the same samples. None draws
+    from torch's global random state."""
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class Generation:
+    """What the engine generated for one prompt."""
+
+    token_ids: list[int]
+    """The generated tokens, the stop token included when one was produced."""
+    logprobs: list[float]
+    """One per generated token: log-softmax of ``logits / temperature`` (temperature 1 when
+    greedy) at the chosen token, i.e. under the sampling temperature but *before* top-k / top-p
+    truncation. This is the sampling policy's log-prob that importance ratios (PPO-clip) and
+    on-policy distillation compare against; with truncation on, the truncated policy's log-prob
+    would be this value minus the log of the kept mass."""
+    finished: bool
+    """True when a stop token ended the generation; False when it ran into ``max_new_tokens``."""
+
+
+class RolloutEngine(ABC):
+    """Generates continuations of token-id prompts, batched."""
+
+    stop_token_ids: frozenset[int]
+    """Generation of a prompt ends at the first of these tokens."""
+    max_length: int | None
+    """Longest sequence (prompt + generated tokens) the model supports; None when unbounded."""
+
+    @abstractmethod
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        """One :class:`Generation` per prompt, in the order of ``prompts``."""

@@ -1,0 +1,128 @@
+"""The transformers rollout engine: exact greedy decoding, batching invariance, sampling rules."""
+
+import pytest
+import torch
+
+from lopd.corpus import synthetic_transcripts
+from lopd.rollout import Generation, SamplingParams, TransformersEngine
+from lopd.rollout.transformers_engine import sample_next
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_tokenizer):
+    """Four prompts of different lengths (so the batch needs left padding)."""
+    texts = synthetic_transcripts(n=4, seed=1)
+    ids = [tiny_tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    return [p[:n] for p, n in zip(ids, (31, 7, 52, 18))]
+
+
+def teacher_forced_logprobs(model, prompt, generated, temperature=1.0):
+    """log_softmax(logits / T) of one plain full-sequence forward pass, at the generated tokens."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + generated])).logits[0].float()
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    return [logprobs[len(prompt) - 1 + i, t].item() for i, t in enumerate(generated)]
+
+
+def test_sampling_params_validate():
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=-1)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingParams(max_new_tokens=0)
+    assert SamplingParams(temperature=0).greedy and not SamplingParams().greedy
+
+
+def test_default_stop_is_im_end(tiny_model, tiny_tokenizer):
+    engine = TransformersEngine(tiny_model, tiny_tokenizer)
+    assert tiny_tokenizer.convert_tokens_to_ids("<|im_end|>") in engine.stop_token_ids
+    assert tiny_tokenizer.eos_token_id in engine.stop_token_ids
+    assert engine.max_length == tiny_model.config.max_position_embeddings
+
+
+def test_greedy_matches_full_forward_pass(tiny_model, tiny_tokenizer, prompts):
+    engine = TransformersEngine(tiny_model, tiny_tokenizer)
+    generations = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=16))
+    for prompt, gen in zip(prompts, generations):
+        assert len(gen.token_ids) == len(gen.logprobs) == 16 and not gen.finished
+        reference = teacher_forced_logprobs(tiny_model, prompt, gen.token_ids)
+        assert max(abs(a - b) for a, b in zip(reference, gen.logprobs)) < 1e-4
+        # Greedy: each token is the argmax of the teacher-forced distribution.
+        with torch.no_grad():
+            logits = tiny_model(torch.tensor([prompt + gen.token_ids])).logits[0]
+        assert logits[len(prompt) - 1:-1].argmax(-1).tolist() == gen.token_ids
+
+
+def test_batched_equals_one_at_a_time_with_early_stops(tiny_model, tiny_tokenizer, prompts):
+    free = TransformersEngine(tiny_model, tiny_tokenizer).generate(
+        prompts, SamplingParams(temperature=0, max_new_tokens=12))
+    # Stop on a token that one row produces mid-way, so rows leave the batch at different steps.
+    stop = free[0].token_ids[5]
+    engine = TransformersEngine(tiny_model, tiny_tokenizer, stop_token_ids=[stop])
+    params = SamplingParams(temperature=0, max_new_tokens=12)
+    batched = engine.generate(prompts, params)
+    alone = [engine.generate([p], params)[0] for p in prompts]
+    assert [g.token_ids for g in batched] == [g.token_ids for g in alone]
+    for b, a, f in zip(batched, alone, free):
+        assert max(abs(x - y) for x, y in zip(b.logprobs, a.logprobs)) < 1e-4
+        if stop in f.token_ids:
+            cut = f.token_ids.index(stop) + 1
+            assert b.finished and b.token_ids == f.token_ids[:cut]
+        else:
+            assert not b.finished and b.token_ids == f.token_ids
+    assert batched[0].finished and len(batched[0].token_ids) <= 6
+
+
+def test_sampling_is_seeded_and_logprobs_use_the_temperature(tiny_model, tiny_tokenizer, prompts):
+    engine = TransformersEngine(tiny_model, tiny_tokenizer)
+    params = SamplingParams(temperature=0.7, max_new_tokens=10, seed=3)
+    first = engine.generate(prompts, params)
+    again = engine.generate(prompts, params)
+    other = engine.generate(prompts, SamplingParams(temperature=0.7, max_new_tokens=10, seed=4))
+    assert [g.token_ids for g in first] == [g.token_ids for g in again]
+    assert [g.token_ids for g in first] != [g.token_ids for g in other]
+    for prompt, gen in zip(prompts, first):
+        reference = teacher_forced_logprobs(tiny_model, prompt, gen.token_ids, temperature=0.7)
+        assert max(abs(a - b) for a, b in zip(reference, gen.logprobs)) < 1e-4
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(tiny_model, tiny_tokenizer, prompts):
+    engine = TransformersEngine(tiny_model, tiny_tokenizer)
+    greedy = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=8))
+    top_k = engine.generate(prompts, SamplingParams(top_k=1, max_new_tokens=8, seed=0))
+    top_p = engine.generate(prompts, SamplingParams(top_p=1e-6, max_new_tokens=8, seed=0))
+    assert [g.token_ids for g in top_k] == [g.token_ids for g in greedy]
+    assert [g.token_ids for g in top_p] == [g.token_ids for g in greedy]
+
+
+def test_sample_next_truncation_rules():
+    # Probabilities 0.5, 0.3, 0.15, 0.05.
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log().repeat(2000, 1)
+    generator = torch.Generator().manual_seed(0)
+    tokens, logprobs = sample_next(logits, SamplingParams(top_p=0.7), generator)
+    assert set(tokens.tolist()) == {0, 1}  # 0.5 < 0.7, so the second token is still needed
+    expected = torch.tensor([0.5, 0.3]).log()
+    assert torch.allclose(logprobs, expected[tokens])  # log-probs before truncation
+    tokens, _ = sample_next(logits, SamplingParams(top_k=3), generator)
+    assert set(tokens.tolist()) == {0, 1, 2}
+    tokens, _ = sample_next(logits, SamplingParams(), generator)
+    counts = torch.bincount(tokens, minlength=4).float() / len(tokens)
+    assert torch.allclose(counts, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.04)
+    tokens, logprobs = sample_next(logits[:1], SamplingParams(temperature=0), None)
+    assert tokens.tolist() == [0] and abs(logprobs.item() - torch.tensor(0.5).log().item()) < 1e-6
+
+
+def test_generate_keeps_training_mode_and_handles_empty(tiny_model, tiny_tokenizer, prompts):
+    engine = TransformersEngine(tiny_model, tiny_tokenizer)
+    assert engine.generate([], SamplingParams()) == []
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.generate([[]], SamplingParams())
+    tiny_model.train()
+    try:
+        out = engine.generate(prompts[:1], SamplingParams(max_new_tokens=3, seed=0))
+        assert tiny_model.training and isinstance(out[0], Generation)
+    finally:
+        tiny_model.eval()
