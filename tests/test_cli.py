@@ -5,7 +5,8 @@ import pytest
 
 from lopd.cli import build_parser, main
 
-SUBCOMMANDS = [[], ["quickstart"], ["config"], ["model"], ["model", "new"], ["model", "info"]]
+SUBCOMMANDS = [[], ["quickstart"], ["config"], ["model"], ["model", "new"], ["model", "info"],
+               ["tasks"], ["eval"], ["base"]]
 
 
 @pytest.mark.parametrize("words", SUBCOMMANDS)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import sys
 import time
 from pathlib import Path
@@ -125,6 +126,98 @@ def cmd_quickstart(args) -> int:
     return 0
 
 
+def cmd_tasks(args) -> int:
+    from collections import Counter
+
+    from lopd.envs import get_env
+
+    cfg = load_config(args.config, [f"env.name={args.env}", *args.overrides])
+    env = get_env(cfg.env.name, **cfg.env.kwargs())
+    tasks = env.tasks(args.split)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("w") as f:
+            for task in tasks:
+                f.write(json.dumps(task.to_dict()) + "\n")
+    counts = Counter(task.domain for task in tasks)
+    rows = [[domain, n] for domain, n in sorted(counts.items())] + [["all", len(tasks)]]
+    print(format_table(["domain", "tasks"], rows, title=f"{cfg.env.name} / {args.split}"
+                       + (f" -> {args.out}" if args.out else "")))
+    write_json(args.json_path, {"env": cfg.env.name, "split": args.split,
+                                "tasks": len(tasks), "per_domain": dict(sorted(counts.items()))})
+    return 0
+
+
+def _eval_rows(summary: dict) -> list[list]:
+    rows = [[domain, d["episodes"], d["mean_reward"], d["success_rate"]]
+            for domain, d in sorted(summary["per_domain"].items())]
+    rows.append(["all", summary["episodes"], summary["mean_reward"], summary["success_rate"]])
+    return rows
+
+
+def cmd_eval(args) -> int:
+    from lopd import agent, runtime
+    from lopd.envs import get_env
+
+    cfg = load_config(args.config, [f"env.name={args.env}", *args.overrides])
+    device = runtime.setup(cfg.run)
+    env = get_env(cfg.env.name, **cfg.env.kwargs())
+    tasks = env.tasks(args.split)
+    if args.limit:
+        tasks = tasks[: args.limit]
+    policy, tokenizer = _make_policy(args.agent, args.model, cfg, device)
+    start = time.perf_counter()
+    rollouts = agent.run_episodes(env, tasks, policy, tokenizer, max_turns=cfg.rollout.max_turns,
+                                  max_new_tokens=cfg.rollout.max_completion_length,
+                                  batch_size=cfg.rollout.batch_size, progress=True)
+    seconds = time.perf_counter() - start
+    summary = agent.summarize(rollouts)
+    summary.update({"agent": args.agent, "model": args.model if args.agent == "model" else None,
+                    "env": cfg.env.name, "split": args.split, "seconds": round(seconds, 1)})
+    if args.episodes:
+        out = Path(args.episodes)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("w") as f:
+            for r in rollouts:
+                f.write(json.dumps(r.to_dict()) + "\n")
+    title = (f"{args.agent}{' ' + args.model if args.agent == 'model' else ''} on "
+             f"{cfg.env.name}/{args.split} ({len(tasks)} tasks, {seconds:.0f}s)")
+    print(format_table(["domain", "episodes", "mean reward", "success rate"], _eval_rows(summary),
+                       title=title))
+    write_json(args.json_path, summary)
+    return 0
+
+
+def _make_policy(kind: str, model_path: str, cfg, device):
+    """The acting policy of `lopd eval` and the tokenizer its tokens are counted with."""
+    from lopd import agent, models, runtime
+    from lopd.rollout import SamplingParams, TransformersEngine
+
+    if kind in ("oracle", "random"):
+        tokenizer = models.load_tokenizer(models.resolve_model_path(model_path))
+        if kind == "oracle":
+            return agent.OraclePolicy(), tokenizer
+        return agent.RandomPolicy(seed=cfg.run.seed), tokenizer
+    model, tokenizer = models.load_model(model_path, device=device,
+                                         dtype=runtime.resolve_dtype(cfg.run.dtype, device))
+    model.eval()
+    params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                            top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_completion_length,
+                            seed=cfg.run.seed)
+    return agent.ModelPolicy(TransformersEngine(model, tokenizer), tokenizer, params), tokenizer
+
+
+def cmd_base(args) -> int:
+    from lopd.base import build_base
+
+    cfg = load_config(args.config, args.overrides)
+    result = build_base(cfg, args.out)
+    print(key_value_table(result, title=f"base model -> {args.out}"))
+    write_json(args.json_path, result)
+    return 0
+
+
 # ----------------------------------------------------------------------------------------------
 # Parser
 
@@ -147,6 +240,41 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     _add_json_arg(p)
     p.set_defaults(func=cmd_config)
+
+    p = sub.add_parser("tasks", help="list an environment's tasks (JSONL) with counts per domain",
+                       description="Generate the tasks of one split, print counts per domain and "
+                       "optionally write them as JSONL.")
+    p.add_argument("--env", default="toolworld", help="environment (default: toolworld)")
+    p.add_argument("--split", default="train", choices=["pretrain", "train", "eval"])
+    p.add_argument("--out", help="write the tasks to this JSONL file")
+    _add_config_args(p)
+    _add_json_arg(p)
+    p.set_defaults(func=cmd_tasks)
+
+    p = sub.add_parser("eval", help="evaluate an agent on an environment split",
+                       description="Run an agent on every task of a split and report mean reward "
+                       "and success rate per domain. --agent oracle / random check the harness. "
+                       "Sampling follows the rollout section of the config (rollout.temperature=0 "
+                       "for greedy).")
+    p.add_argument("--model", default="tiny", help="model folder, or 'tiny' (embedded default)")
+    p.add_argument("--env", default="toolworld", help="environment (default: toolworld)")
+    p.add_argument("--split", default="eval", choices=["pretrain", "train", "eval"])
+    p.add_argument("--agent", default="model", choices=["model", "oracle", "random"],
+                   help="who acts: the model, the oracle solution, or random tool calls")
+    p.add_argument("--limit", type=int, default=0, help="evaluate only the first N tasks")
+    p.add_argument("--episodes", metavar="PATH", help="write every episode to this JSONL file")
+    _add_config_args(p)
+    _add_json_arg(p)
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("base", help="build the vanilla base model (tokenizer, Qwen3, SFT)",
+                       description="Train a tokenizer on environment transcripts, build the Qwen3 "
+                       "model and fine-tune it on oracle transcripts of the pre-training pool until "
+                       "validation success (on training-split tasks) reaches base.stop_at_success.")
+    p.add_argument("--out", required=True, help="folder to write the base model to")
+    _add_config_args(p)
+    _add_json_arg(p)
+    p.set_defaults(func=cmd_base)
 
     model = sub.add_parser("model", help="build or inspect models",
                            description="Build the tiny default model or inspect a model folder.")

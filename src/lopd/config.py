@@ -108,11 +108,55 @@ class TrainConfig:
 
 
 @dataclass
+class EnvConfig:
+    """Which environment to train and evaluate on, and how its tasks are generated."""
+
+    name: Literal["toolworld"] = knob("toolworld", "Environment name.")
+    seed: int = knob(0, "Seed of task generation; the same seed gives the same tasks and splits.",
+                     ge=0)
+    train_size: int = knob(2349, "Tasks in the training split (the paper's 2,349).", ge=1)
+    eval_size: int = knob(200, "Tasks in the held-out evaluation split.", ge=1)
+    pretrain_size: int = knob(
+        30000, "Tasks in the pre-training pool used only to build the base model (disjoint from "
+        "train and eval).", ge=0)
+
+    def kwargs(self) -> dict[str, Any]:
+        """Constructor arguments of the environment."""
+        return {"seed": self.seed, "sizes": {"train": self.train_size, "eval": self.eval_size,
+                                             "pretrain": self.pretrain_size}}
+
+
+@dataclass
+class BaseConfig:
+    """Supervised fine-tuning of the tiny base model on oracle transcripts (``lopd base``)."""
+
+    pretrain_tasks: int = knob(30000, "Oracle transcripts of the pre-training pool to train on.",
+                               ge=1)
+    max_steps: int = knob(20000, "Optimiser steps at most.", ge=1)
+    batch_size: int = knob(32, "Transcripts per step (grouped by length to limit padding).", ge=1)
+    learning_rate: float = knob(2e-3, "Peak AdamW learning rate (training from scratch).", gt=0.0)
+    warmup_steps: int = knob(200, "Linear warm-up steps.", ge=1)
+    min_lr_ratio: float = knob(0.1, "Cosine decay floor, as a fraction of the peak rate.",
+                               ge=0.0, le=1.0)
+    weight_decay: float = knob(0.01, "AdamW weight decay.", ge=0.0)
+    max_grad_norm: float = knob(1.0, "Gradient-norm clip.", gt=0.0)
+    eval_every: int = knob(250, "Greedy validation every this many steps.", ge=1)
+    eval_tasks: int = knob(
+        100, "Validation tasks, drawn from the training split (never the eval split).", ge=1)
+    stop_at_success: float = knob(
+        0.45, "Stop once validation success reaches this: the base must stay partly competent so "
+        "that training methods have room to improve it.", gt=0.0, le=1.0)
+    time_limit_minutes: float = knob(60.0, "Wall-clock limit of training (0 = none).", ge=0.0)
+
+
+@dataclass
 class Config:
     """The whole configuration of a run; one section per concern."""
 
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    base: BaseConfig = field(default_factory=BaseConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 

@@ -1,0 +1,289 @@
+"""The vanilla base model: tokenizer, tiny Qwen3 and supervised fine-tuning on oracle transcripts.
+
+Every experiment starts from this model, so it must be *partly* competent: good enough to succeed on
+some held-out tasks (its successes seed the experience bank), poor enough that training methods
+have room to improve it. ``build_base`` does the whole job from a seed:
+
+1. oracle transcripts of the *pre-training pool* (a split disjoint from train and eval) are produced
+   by the same agent loop that runs the model later, so the token ids and action masks the model
+   is trained on are exactly those it will see when it acts;
+2. a byte-level BPE tokenizer is trained on those transcripts, a Qwen3 model built from the preset;
+3. the model is fine-tuned on the action tokens only (prompts and tool results are context, never
+   targets), with AdamW, linear warm-up and cosine decay;
+4. every ``eval_every`` steps it acts greedily on a validation set drawn from the *training* split
+   (never the eval split); training stops once validation success reaches ``stop_at_success``,
+   which is how the base is kept partly competent without ever looking at the eval split.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from lopd import models, runtime
+from lopd.agent import ModelPolicy, OraclePolicy, Rollout, run_episodes, summarize
+from lopd.config import Config
+from lopd.envs import get_env
+from lopd.rollout import SamplingParams, TransformersEngine
+
+
+def oracle_rollouts(env, tasks, tokenizer, cfg: Config, progress: bool = True) -> list[Rollout]:
+    """Oracle transcripts through the real agent loop (token ids + action masks included)."""
+    return run_episodes(env, tasks, OraclePolicy(), tokenizer,
+                        max_turns=cfg.rollout.max_turns,
+                        max_new_tokens=cfg.rollout.max_completion_length,
+                        batch_size=256, progress=progress)
+
+
+def tokenizer_corpus(env, tasks, max_texts: int = 5000) -> list[str]:
+    """Rendered oracle conversations for tokenizer training (a tokenizer-free path: no ids yet)."""
+    texts = []
+    for conversation, task in zip(env.transcripts(tasks[:max_texts]), tasks[:max_texts]):
+        texts.append(models.render_chat(conversation, tools=task.tools))
+    return texts
+
+
+def length_batches(lengths: list[int], batch_size: int, rng: random.Random) -> list[list[int]]:
+    """Indices grouped into batches of similar length (little padding), in a shuffled order."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], rng.random()))
+    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+def action_token_loss(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Mean next-token cross-entropy over action tokens; also returns their count."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    targets = batch["labels"][:, 1:]
+    logits = logits[:, :-1]
+    n_tokens = int((targets != -100).sum())
+    loss = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-100)
+    return loss, n_tokens
+
+
+def lr_at(step: int, cfg) -> float:
+    """Linear warm-up, then cosine decay to ``min_lr_ratio`` of the peak at ``max_steps``."""
+    peak = cfg.learning_rate
+    if step < cfg.warmup_steps:
+        return peak * (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+    return peak * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def greedy_success(model, tokenizer, env, tasks, cfg: Config, device) -> dict:
+    """Greedy episodes of ``model`` on ``tasks``; the summary of :func:`lopd.agent.summarize`."""
+    model.eval()
+    engine = TransformersEngine(model, tokenizer)
+    params = SamplingParams(temperature=0.0, max_new_tokens=cfg.rollout.max_completion_length)
+    rollouts = run_episodes(env, tasks, ModelPolicy(engine, tokenizer, params), tokenizer,
+                            max_turns=cfg.rollout.max_turns,
+                            max_new_tokens=cfg.rollout.max_completion_length,
+                            batch_size=cfg.rollout.batch_size)
+    model.train()
+    return summarize(rollouts)
+
+
+@dataclass
+class SFTData:
+    """Oracle transcripts as token ids and action masks, flat with offsets (compact on disk)."""
+
+    ids: np.ndarray
+    mask: np.ndarray
+    offsets: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def lengths(self) -> list[int]:
+        return np.diff(self.offsets).tolist()
+
+    def sequence(self, i: int) -> tuple[list[int], list[int]]:
+        a, b = self.offsets[i], self.offsets[i + 1]
+        return self.ids[a:b].tolist(), self.mask[a:b].tolist()
+
+    @classmethod
+    def from_rollouts(cls, rollouts: list[Rollout]) -> SFTData:
+        offsets = np.cumsum([0] + [len(r.input_ids) for r in rollouts])
+        ids = np.fromiter((t for r in rollouts for t in r.input_ids), dtype=np.int32,
+                          count=int(offsets[-1]))
+        mask = np.fromiter((m for r in rollouts for m in r.action_mask), dtype=np.uint8,
+                           count=int(offsets[-1]))
+        return cls(ids=ids, mask=mask, offsets=offsets)
+
+    def save(self, path: Path, meta: dict) -> None:
+        np.savez_compressed(path, ids=self.ids, mask=self.mask, offsets=self.offsets,
+                            meta=np.array(json.dumps(meta)))
+
+    @classmethod
+    def load(cls, path: Path, meta: dict) -> SFTData | None:
+        """The saved data if it was made with the same ``meta``, else None."""
+        if not path.exists():
+            return None
+        with np.load(path) as f:
+            if json.loads(str(f["meta"])) != meta:
+                return None
+            return cls(ids=f["ids"], mask=f["mask"], offsets=f["offsets"])
+
+
+def prepare(cfg: Config, out: Path, env, progress: bool = True):
+    """Tokenizer and SFT data, reused from ``out`` when they were made with the same settings.
+
+    Preparing is pure CPU work (rendering and tokenizing tens of thousands of conversations), so a
+    GPU run can start from a folder prepared elsewhere.
+    """
+    meta = {"env": cfg.env.name, "env_seed": cfg.env.seed, "pretrain_tasks": cfg.base.pretrain_tasks,
+            "vocab_size": cfg.model.vocab_size, "max_turns": cfg.rollout.max_turns,
+            "max_completion_length": cfg.rollout.max_completion_length}
+    data_path = out / "sft_data.npz"
+    if (out / "tokenizer.json").exists():
+        tokenizer = models.load_tokenizer(out)
+        data = SFTData.load(data_path, meta)
+        if data is not None:
+            return tokenizer, data
+    pool = env.tasks("pretrain")[: cfg.base.pretrain_tasks]
+    tokenizer = models.train_tokenizer(tokenizer_corpus(env, pool), vocab_size=cfg.model.vocab_size)
+    tokenizer.save_pretrained(out)
+    data = SFTData.from_rollouts(oracle_rollouts(env, pool, tokenizer, cfg, progress=progress))
+    data.save(data_path, meta)
+    return tokenizer, data
+
+
+def collate_arrays(seqs: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded input ids, attention mask and labels (-100 off the action tokens)."""
+    width = max(len(ids) for ids, _ in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(seqs), width), dtype=torch.long)
+    labels = torch.full((len(seqs), width), -100, dtype=torch.long)
+    for row, (seq_ids, seq_mask) in enumerate(seqs):
+        n = len(seq_ids)
+        seq = torch.tensor(seq_ids)
+        ids[row, :n] = seq
+        attention[row, :n] = 1
+        labels[row, :n] = torch.where(torch.tensor(seq_mask, dtype=torch.bool), seq, -100)
+    return {"input_ids": ids, "attention_mask": attention, "labels": labels}
+
+
+def build_base(cfg: Config, out_dir: str | Path, progress: bool = True) -> dict:
+    """Build, train and save the base model; returns the training summary (also saved as JSON)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    device = runtime.setup(cfg.run)
+    dtype = runtime.resolve_dtype(cfg.run.dtype, device)
+    bcfg = cfg.base
+    start = time.perf_counter()
+
+    env = get_env(cfg.env.name, **cfg.env.kwargs())
+    if bcfg.pretrain_tasks > len(env.tasks("pretrain")):
+        raise ValueError(f"base.pretrain_tasks={bcfg.pretrain_tasks} exceeds the pre-training pool "
+                         f"(env.pretrain_size={cfg.env.pretrain_size})")
+    validation = random.Random(cfg.run.seed).sample(env.tasks("train"), bcfg.eval_tasks)
+    tokenizer, data = prepare(cfg, out, env, progress=progress)
+    prepare_seconds = time.perf_counter() - start
+    model = models.build_model(tokenizer, preset=cfg.model.preset, seed=cfg.run.seed,
+                               max_position_embeddings=cfg.model.max_position_embeddings)
+    model.to(device=device, dtype=dtype).train()
+    lengths = data.lengths()
+    too_long = sum(n > cfg.model.max_position_embeddings for n in lengths)
+    if too_long:
+        raise ValueError(f"{too_long} oracle transcripts exceed model.max_position_embeddings="
+                         f"{cfg.model.max_position_embeddings}; raise it")
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=bcfg.learning_rate,
+                                  weight_decay=bcfg.weight_decay, betas=(0.9, 0.95))
+    rng = random.Random(cfg.run.seed)
+    batches: list[list[int]] = []
+    history: list[dict] = []
+    evals: list[dict] = []
+    stopped = "max_steps"
+    bar = tqdm(total=bcfg.max_steps, desc="base SFT", disable=not progress)
+    for step in range(bcfg.max_steps):
+        if not batches:
+            batches = length_batches(lengths, bcfg.batch_size, rng)
+        batch = {k: v.to(device) for k, v in collate_arrays(
+            [data.sequence(i) for i in batches.pop()], tokenizer.pad_token_id).items()}
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, bcfg)
+        loss, n_tokens = action_token_loss(model, batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), bcfg.max_grad_norm)
+        optimizer.step()
+        history.append({"step": step + 1, "loss": loss.item(), "grad_norm": float(grad_norm),
+                        "lr": optimizer.param_groups[0]["lr"], "action_tokens": n_tokens,
+                        "seconds": round(time.perf_counter() - start, 2)})
+        bar.update(1)
+        bar.set_postfix(loss=f"{history[-1]['loss']:.3f}")
+        last = step + 1 == bcfg.max_steps
+        if (step + 1) % bcfg.eval_every == 0 or last:
+            summary = greedy_success(model, tokenizer, env, validation, cfg, device)
+            evals.append({"step": step + 1, "success_rate": summary["success_rate"],
+                          "mean_reward": summary["mean_reward"],
+                          "seconds": round(time.perf_counter() - start, 2)})
+            bar.write(f"step {step + 1}: validation success {summary['success_rate']:.3f}, "
+                      f"reward {summary['mean_reward']:.3f}")
+            if summary["success_rate"] >= bcfg.stop_at_success:
+                stopped = "stop_at_success"
+                break
+        if bcfg.time_limit_minutes and time.perf_counter() - start > 60 * bcfg.time_limit_minutes:
+            stopped = "time_limit"
+            break
+    bar.close()
+
+    model.to(dtype=torch.float32)
+    models.save_model(model.cpu(), tokenizer, out)
+    result = {
+        "path": str(out),
+        "parameters": models.count_parameters(model),
+        "vocab_size": len(tokenizer),
+        "preset": cfg.model.preset,
+        "pretrain_transcripts": len(data),
+        "tokens_per_transcript": round(len(data.ids) / len(data), 1),
+        "action_tokens_per_transcript": round(int(data.mask.sum()) / len(data), 1),
+        "steps": len(history),
+        "stopped": stopped,
+        "final_loss": history[-1]["loss"],
+        "validation_success": evals[-1]["success_rate"] if evals else None,
+        "prepare_seconds": round(prepare_seconds, 1),
+        "seconds": round(time.perf_counter() - start, 1),
+        "device": str(device),
+        "seed": cfg.run.seed,
+    }
+    (out / "base_training.json").write_text(json.dumps(
+        {"result": result, "config": asdict(cfg), "evals": evals, "history": history}, indent=1))
+    plot_training(history, evals, out / "base_training.png")
+    return result
+
+
+def plot_training(history: list[dict], evals: list[dict], path: Path) -> None:
+    """Loss (left axis) and validation success (right axis) against steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([h["step"] for h in history], [h["loss"] for h in history], lw=0.8, label="action-token loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_yscale("log")
+    if evals:
+        ax2 = ax.twinx()
+        ax2.plot([e["step"] for e in evals], [e["success_rate"] for e in evals], "o-", color="C1",
+                 label="validation success (train split)")
+        ax2.set_ylabel("success rate")
+        ax2.set_ylim(0, 1)
+        ax2.legend(loc="upper right")
+    ax.legend(loc="upper left")
+    ax.set_title("base model: supervised fine-tuning on oracle transcripts")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
