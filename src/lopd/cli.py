@@ -55,7 +55,7 @@ def _add_json_arg(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_model_new(args) -> int:
-    from lopd import models, runtime
+    from lopd import runtime
     from lopd.corpus import read_corpus, synthetic_transcripts
 
     cfg = load_config(args.config, args.overrides)
@@ -68,6 +68,7 @@ def cmd_model_new(args) -> int:
 
 
 def build_and_save(cfg, corpus: list[str], out: Path) -> dict:
+    """Train a tokenizer on ``corpus``, build the model of ``cfg.model.preset`` and save both."""
     from lopd import models
 
     start = time.perf_counter()
@@ -108,27 +109,67 @@ def cmd_config(args) -> int:
 
 
 def cmd_quickstart(args) -> int:
-    from lopd import runtime
-    from lopd.corpus import synthetic_transcripts
+    from lopd import agent, models, runtime
+    from lopd.envs import get_env
 
     cfg = load_config(args.config, args.overrides)
-    runtime.setup(cfg.run)
+    device = runtime.setup(cfg.run)
     out = Path(cfg.run.output_dir) / "quickstart"
-    print(f"lopd {__version__} quickstart -> {out}")
-    figures = build_and_save(cfg, synthetic_transcripts(seed=cfg.run.seed), out / "model")
-    print(key_value_table(figures, title="built the tiny default tokenizer and model"))
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"lopd {__version__} quickstart -> {out}\n")
+
+    info = models.model_info(cfg.model.name_or_path)
+    print(key_value_table({k: info[k] for k in ("path", "architecture", "parameters", "hidden_size",
+                                                "num_hidden_layers", "vocab_size")},
+                          title="1. base model (the embedded default, built by `lopd base`)"))
+
+    env = get_env(cfg.env.name, **cfg.env.kwargs())
+    splits = {split: len(env.tasks(split)) for split in ("train", "eval")}
+    print(f"\n2. {cfg.env.name}: {splits['train']} training tasks, {splits['eval']} held-out tasks")
+
+    eval_tasks = env.tasks("eval")
+    _, tokenizer = _make_policy("oracle", cfg.model.name_or_path, cfg, device)
+    oracle = agent.summarize(_run(env, eval_tasks, agent.OraclePolicy(), tokenizer, cfg, False))
+    print(f"\n3. harness check: the oracle scores mean reward {oracle['mean_reward']:.3f}, "
+          f"success {oracle['success_rate']:.3f} on the held-out tasks")
+
+    policy, tokenizer = _make_policy("model", cfg.model.name_or_path, cfg, device)
+    start = time.perf_counter()
+    rollouts = _run(env, eval_tasks, policy, tokenizer, cfg, True)
+    summary = agent.summarize(rollouts)
+    _write_episodes(out / "base_eval_episodes.jsonl", rollouts)
+    print()
+    print(format_table(["domain", "episodes", "mean reward", "success rate"], _eval_rows(summary),
+                       title=f"4. base model on the held-out tasks "
+                       f"({time.perf_counter() - start:.0f}s; episodes in {out}/base_eval_episodes.jsonl)"))
+
     stages = [[stage, "available" if _module_exists(module) else "not built yet", command]
               for stage, module, command in PIPELINE]
     print()
     print(format_table(["pipeline stage", "status", "command"], stages, title="pipeline"))
-    write_json(args.json_path, {"model": figures,
-                                "stages": {s: st for s, st, _ in stages}})
+    figures = {"model": info, "tasks": splits, "oracle": oracle, "base_eval": summary,
+               "stages": {stage: status for stage, status, _ in stages}}
+    write_json(out / "summary.json", figures)
+    write_json(args.json_path, figures)
     return 0
 
 
-def cmd_tasks(args) -> int:
-    from collections import Counter
+def _run(env, tasks, policy, tokenizer, cfg, progress: bool):
+    from lopd import agent
 
+    return agent.run_episodes(env, tasks, policy, tokenizer, max_turns=cfg.rollout.max_turns,
+                              max_new_tokens=cfg.rollout.max_completion_length,
+                              batch_size=cfg.rollout.batch_size, progress=progress)
+
+
+def _write_episodes(path: Path, rollouts) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for r in rollouts:
+            f.write(json.dumps(r.to_dict()) + "\n")
+
+
+def cmd_tasks(args) -> int:
     from lopd.envs import get_env
 
     cfg = load_config(args.config, [f"env.name={args.env}", *args.overrides])
@@ -140,12 +181,16 @@ def cmd_tasks(args) -> int:
         with out.open("w") as f:
             for task in tasks:
                 f.write(json.dumps(task.to_dict()) + "\n")
-    counts = Counter(task.domain for task in tasks)
-    rows = [[domain, n] for domain, n in sorted(counts.items())] + [["all", len(tasks)]]
+    stats = env.stats(args.split)
+    rows = [[domain, n] for domain, n in sorted(stats["domains"].items())]
+    rows.append(["all", stats["tasks"]])
     print(format_table(["domain", "tasks"], rows, title=f"{cfg.env.name} / {args.split}"
                        + (f" -> {args.out}" if args.out else "")))
-    write_json(args.json_path, {"env": cfg.env.name, "split": args.split,
-                                "tasks": len(tasks), "per_domain": dict(sorted(counts.items()))})
+    calls = [[n, count] for n, count in sorted(stats["oracle_calls"].items(), key=lambda kv: int(kv[0]))]
+    print()
+    print(format_table(["oracle tool calls", "tasks"], calls,
+                       title=f"{stats['reports']} report tasks; {len(stats['templates'])} templates"))
+    write_json(args.json_path, {"env": cfg.env.name, "split": args.split, **stats})
     return 0
 
 
@@ -168,19 +213,13 @@ def cmd_eval(args) -> int:
         tasks = tasks[: args.limit]
     policy, tokenizer = _make_policy(args.agent, args.model, cfg, device)
     start = time.perf_counter()
-    rollouts = agent.run_episodes(env, tasks, policy, tokenizer, max_turns=cfg.rollout.max_turns,
-                                  max_new_tokens=cfg.rollout.max_completion_length,
-                                  batch_size=cfg.rollout.batch_size, progress=True)
+    rollouts = _run(env, tasks, policy, tokenizer, cfg, progress=True)
     seconds = time.perf_counter() - start
     summary = agent.summarize(rollouts)
     summary.update({"agent": args.agent, "model": args.model if args.agent == "model" else None,
                     "env": cfg.env.name, "split": args.split, "seconds": round(seconds, 1)})
     if args.episodes:
-        out = Path(args.episodes)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with out.open("w") as f:
-            for r in rollouts:
-                f.write(json.dumps(r.to_dict()) + "\n")
+        _write_episodes(Path(args.episodes), rollouts)
     title = (f"{args.agent}{' ' + args.model if args.agent == 'model' else ''} on "
              f"{cfg.env.name}/{args.split} ({len(tasks)} tasks, {seconds:.0f}s)")
     print(format_table(["domain", "episodes", "mean reward", "success rate"], _eval_rows(summary),
@@ -202,7 +241,7 @@ def _make_policy(kind: str, model_path: str, cfg, device):
     model, tokenizer = models.load_model(model_path, device=device,
                                          dtype=runtime.resolve_dtype(cfg.run.dtype, device))
     model.eval()
-    params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+    params = SamplingParams(temperature=cfg.rollout.eval_temperature, top_p=cfg.rollout.top_p,
                             top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_completion_length,
                             seed=cfg.run.seed)
     return agent.ModelPolicy(TransformersEngine(model, tokenizer), tokenizer, params), tokenizer
@@ -254,8 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="evaluate an agent on an environment split",
                        description="Run an agent on every task of a split and report mean reward "
                        "and success rate per domain. --agent oracle / random check the harness. "
-                       "Sampling follows the rollout section of the config (rollout.temperature=0 "
-                       "for greedy).")
+                       "Episodes are greedy unless rollout.eval_temperature > 0.")
     p.add_argument("--model", default="tiny", help="model folder, or 'tiny' (embedded default)")
     p.add_argument("--env", default="toolworld", help="environment (default: toolworld)")
     p.add_argument("--split", default="eval", choices=["pretrain", "train", "eval"])

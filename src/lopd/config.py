@@ -77,7 +77,11 @@ class RolloutConfig:
 
     engine: Literal["transformers", "vllm"] = knob(
         "transformers", "Generation engine: transformers (default, CPU or GPU) or vLLM (GPU extra).")
-    temperature: float = knob(1.0, "Sampling temperature; 0 means greedy decoding.", ge=0.0)
+    temperature: float = knob(1.0, "Sampling temperature of training rollouts; 0 means greedy.",
+                              ge=0.0)
+    eval_temperature: float = knob(
+        0.0, "Sampling temperature of evaluation episodes (`lopd eval`, held-out evaluation during "
+        "training); 0 means greedy.", ge=0.0)
     top_p: float = knob(1.0, "Nucleus sampling mass (1.0 disables it).", gt=0.0, le=1.0)
     top_k: int = knob(0, "Sample from the k most likely tokens only (0 disables it).", ge=0)
     max_completion_length: int = knob(

@@ -1,0 +1,77 @@
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from lopd import base, models
+from lopd.config import BaseConfig, load_config
+
+
+def test_action_token_loss_equals_the_full_logits_loss(tiny_tokenizer, tiny_model):
+    seqs = [([5, 6, 7, 8, 9], [0, 0, 1, 1, 0]), ([10, 11, 12], [0, 1, 1])]
+    batch = base.collate_arrays(seqs, tiny_tokenizer.pad_token_id)
+    assert batch["labels"].tolist() == [[-100, -100, 7, 8, -100], [-100, 11, 12, -100, -100]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+    loss, n_tokens = base.action_token_loss(tiny_model, batch)
+    reference = tiny_model(**batch).loss     # transformers' own shifted cross-entropy
+    assert n_tokens == 4
+    assert loss.item() == pytest.approx(reference.item(), abs=1e-6)
+
+
+def test_learning_rate_schedule():
+    cfg = BaseConfig(learning_rate=1.0, warmup_steps=10, max_steps=110, min_lr_ratio=0.1)
+    assert base.lr_at(0, cfg) == pytest.approx(0.1)
+    assert base.lr_at(9, cfg) == pytest.approx(1.0)
+    assert base.lr_at(60, cfg) == pytest.approx(0.55)           # half-way down the cosine
+    assert base.lr_at(110, cfg) == pytest.approx(0.1)
+    assert base.lr_at(500, cfg) == pytest.approx(0.1)
+
+
+def test_length_batches_cover_every_index_once():
+    lengths = [random.Random(i).randint(5, 50) for i in range(103)]
+    batches = base.length_batches(lengths, 8, random.Random(0))
+    assert sorted(i for b in batches for i in b) == list(range(103))
+    assert all(len(b) <= 8 for b in batches)
+    # Batches hold similar lengths: the spread inside a batch is far below the overall spread.
+    spread = np.mean([max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches])
+    assert spread < 10
+
+
+def test_sft_data_round_trip_and_stale_meta(tmp_path):
+    class R:
+        def __init__(self, ids, mask):
+            self.input_ids, self.action_mask = ids, mask
+
+    data = base.SFTData.from_rollouts([R([1, 2, 3], [0, 1, 1]), R([4, 5], [0, 1])])
+    assert len(data) == 2 and data.sequence(1) == ([4, 5], [0, 1])
+    data.save(tmp_path / "d.npz", {"a": 1})
+    again = base.SFTData.load(tmp_path / "d.npz", {"a": 1})
+    assert again.sequence(0) == ([1, 2, 3], [0, 1, 1]) and again.lengths() == [3, 2]
+    assert base.SFTData.load(tmp_path / "d.npz", {"a": 2}) is None      # made with other settings
+
+
+def test_build_base_end_to_end_on_a_few_tasks(tmp_path):
+    torch.set_num_threads(1)
+    cfg = load_config("tiny", [
+        "env.pretrain_size=24", "env.train_size=30", "env.eval_size=10", "base.pretrain_tasks=24",
+        "base.max_steps=3", "base.eval_every=3", "base.eval_tasks=2", "base.batch_size=8",
+        "model.vocab_size=600", "rollout.max_turns=2", "rollout.max_completion_length=8"])
+    result = base.build_base(cfg, tmp_path, progress=False)
+    assert result["pretrain_transcripts"] == 24 and result["steps"] == 3
+    saved = json.loads((tmp_path / "base_training.json").read_text())
+    assert [e["step"] for e in saved["evals"]] == [3]
+    assert (tmp_path / "base_training.png").stat().st_size > 0
+    model, tokenizer = models.load_model(tmp_path)
+    assert models.count_parameters(model) == result["parameters"]
+    # A second run reuses the prepared tokenizer and transcripts.
+    again = base.build_base(cfg, tmp_path, progress=False)
+    assert again["prepare_seconds"] < result["prepare_seconds"] + 5
+    assert again["final_loss"] == pytest.approx(result["final_loss"], rel=1e-5)
+
+
+def test_pretrain_pool_too_small_is_a_clear_error(tmp_path):
+    cfg = load_config("tiny", ["env.pretrain_size=5", "base.pretrain_tasks=10"])
+    with pytest.raises(ValueError, match="base.pretrain_tasks=10 exceeds"):
+        base.build_base(cfg, tmp_path, progress=False)
