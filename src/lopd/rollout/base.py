@@ -12,6 +12,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -69,5 +71,10 @@ class RolloutEngine(ABC):
     """Longest sequence (prompt + generated tokens) the model supports; None when unbounded."""
 
     @abstractmethod
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        """One :class:`Generation` per prompt, in the order of ``prompts``."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 latents: torch.Tensor | None = None) -> list[Generation]:
+        """One :class:`Generation` per prompt, in the order of ``prompts``.
+
+        ``latents`` (batch, n, d), when given, replace the embeddings of the ``n`` ``<|latent|>``
+        tokens each prompt holds (see :mod:`lopd.latent`); vLLM passes the spliced embeddings as
+        ``prompt_embeds``."""

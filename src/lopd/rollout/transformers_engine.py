@@ -15,7 +15,8 @@ from collections.abc import Iterable
 import torch
 from transformers import DynamicCache
 
-from lopd.models import IM_END
+from lopd.latent import splice_embeddings
+from lopd.models import IM_END, LATENT_TOKEN
 from lopd.rollout.base import Generation, RolloutEngine, SamplingParams
 
 
@@ -92,7 +93,8 @@ class TransformersEngine(RolloutEngine):
         forward_parameters = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in forward_parameters else "past_key_values"
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 latents: torch.Tensor | None = None) -> list[Generation]:
         if not prompts:
             return []
         if any(len(p) == 0 for p in prompts):
@@ -101,11 +103,12 @@ class TransformersEngine(RolloutEngine):
         self.model.eval()
         try:
             with torch.inference_mode():
-                return self._generate(prompts, params)
+                return self._generate(prompts, params, latents)
         finally:
             self.model.train(was_training)
 
-    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    def _generate(self, prompts: list[list[int]], params: SamplingParams,
+                  latents: torch.Tensor | None) -> list[Generation]:
         device = self.model.device
         batch, width = len(prompts), max(len(p) for p in prompts)
         input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
@@ -124,7 +127,13 @@ class TransformersEngine(RolloutEngine):
 
         cache = DynamicCache(config=self.model.config)
         cache_arg = {self._cache_kwarg: cache}
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask,
+        if latents is None:
+            prompt_inputs = {"input_ids": input_ids}
+        else:
+            latent_id = self.tokenizer.convert_tokens_to_ids(LATENT_TOKEN)
+            prompt_inputs = {"inputs_embeds": splice_embeddings(
+                self.model.get_input_embeddings(), input_ids, latents.to(device), latent_id)}
+        out = self.model(**prompt_inputs, attention_mask=attention_mask,
                          position_ids=position_ids, use_cache=True, logits_to_keep=1, **cache_arg)
         logits = out.logits[:, -1, :].float()
 

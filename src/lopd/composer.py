@@ -1,0 +1,209 @@
+"""The latent composer φ = (ψ, χ): retrieved experiences in, continuous latent tokens out.
+
+* ψ — a LoRA adapter on the frozen base. The base reads "current task ⊕ retrieved trajectory" with
+  the adapter on; its last hidden layer is the encoding of that experience.
+* χ — a compressor in the style of a Perceiver resampler / QFormer: K learned queries refined by one
+  pre-LayerNorm block (attention + FFN) applied ``depth`` times with *shared* parameters; the
+  queries attend to the concatenation of the encoder states and themselves. The result is projected
+  to the base's embedding width and rescaled to the mean norm of its real token embeddings, so the
+  teacher sees latents on the same scale as the tokens it was trained on.
+
+One copy of the base weights serves both roles: the encoder runs with the adapter enabled, the
+teacher (and any inference) with it disabled (:meth:`Composer.teacher`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class ComposerSpec:
+    """Architecture of a composer; saved with it so that a folder rebuilds the same module."""
+
+    num_latents: int = 32
+    depth: int = 8
+    num_heads: int = 4
+    ffn_mult: int = 4
+    lora_r: int = 8
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+    lora_targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    max_experience_tokens: int = 256
+    n_ret: int = 3
+
+
+class SharedBlock(nn.Module):
+    """Pre-LN block: queries attend to [encoder states; queries], then a position-wise FFN."""
+
+    def __init__(self, width: int, num_heads: int, ffn_mult: int):
+        super().__init__()
+        self.norm_queries = nn.LayerNorm(width)
+        self.norm_states = nn.LayerNorm(width)
+        self.attention = nn.MultiheadAttention(width, num_heads, batch_first=True)
+        self.norm_ffn = nn.LayerNorm(width)
+        self.ffn = nn.Sequential(nn.Linear(width, ffn_mult * width), nn.GELU(),
+                                 nn.Linear(ffn_mult * width, width))
+
+    def forward(self, queries: torch.Tensor, states: torch.Tensor,
+                ignore: torch.Tensor) -> torch.Tensor:
+        q = self.norm_queries(queries)
+        memory = torch.cat([self.norm_states(states), q], dim=1)
+        attended, _ = self.attention(q, memory, memory, key_padding_mask=ignore, need_weights=False)
+        queries = queries + attended
+        return queries + self.ffn(self.norm_ffn(queries))
+
+
+class Compressor(nn.Module):
+    """χ: K learned queries, one shared block applied ``depth`` times, projection to ``out_width``."""
+
+    def __init__(self, width: int, out_width: int, spec: ComposerSpec):
+        super().__init__()
+        if width % spec.num_heads:
+            raise ValueError(f"composer num_heads={spec.num_heads} must divide the encoder width {width}")
+        self.depth = spec.depth
+        self.queries = nn.Parameter(torch.randn(spec.num_latents, width) * 0.02)
+        self.block = SharedBlock(width, spec.num_heads, spec.ffn_mult)
+        self.norm_out = nn.LayerNorm(width)
+        self.project = nn.Linear(width, out_width)
+
+    def forward(self, states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(N, T, width) encoder states and their (N, T) mask -> (N, K, out_width)."""
+        queries = self.queries.unsqueeze(0).expand(states.size(0), -1, -1)
+        ignore = torch.cat([attention_mask == 0,
+                            attention_mask.new_zeros(queries.shape[:2], dtype=torch.bool)], dim=1)
+        for _ in range(self.depth):
+            queries = self.block(queries, states, ignore)
+        return self.project(self.norm_out(queries))
+
+
+def experience_text(task: str, trace: str) -> str:
+    """The encoder's input for one retrieved experience: the current task, then the trajectory."""
+    return f"Current task: {task}\nRetrieved experience:\n{trace}"
+
+
+class Composer(nn.Module):
+    """φ over a frozen base model. ``base`` is wrapped in place with the LoRA adapter; use
+    :meth:`teacher` for every pass that must see the plain base (θ0)."""
+
+    ADAPTER_FILE = "adapter.safetensors"
+    COMPRESSOR_FILE = "compressor.safetensors"
+    CONFIG_FILE = "composer.json"
+
+    def __init__(self, base, tokenizer, spec: ComposerSpec | None = None):
+        super().__init__()
+        from peft import LoraConfig, get_peft_model
+
+        self.spec = spec or ComposerSpec()
+        self.tokenizer = tokenizer
+        for p in base.parameters():
+            p.requires_grad_(False)
+        lora = LoraConfig(r=self.spec.lora_r, lora_alpha=self.spec.lora_alpha,
+                          lora_dropout=self.spec.lora_dropout,
+                          target_modules=list(self.spec.lora_targets))
+        self.encoder = get_peft_model(base, lora)
+        width = base.config.hidden_size
+        embed_width = base.get_input_embeddings().weight.size(1)
+        self.compressor = Compressor(width, embed_width, self.spec).to(
+            device=base.device, dtype=base.get_input_embeddings().weight.dtype)
+        with torch.no_grad():
+            norm = base.get_input_embeddings().weight.float().norm(dim=-1).mean()
+        self.register_buffer("target_norm", norm.to(self.compressor.queries.dtype))
+
+    # -- the two views of the one base --------------------------------------------------------
+
+    @property
+    def base(self):
+        """The base model (LoRA layers injected; active only inside :meth:`encode`)."""
+        return self.encoder.get_base_model()
+
+    @contextlib.contextmanager
+    def teacher(self):
+        """Within this context the base runs with the adapter off: exactly the frozen θ0.
+
+        peft marks the adapter as not requiring gradients while it is disabled, so call
+        ``backward`` *after* leaving the context (or use :meth:`teacher_forward`), else the
+        adapter's gradients are silently dropped.
+        """
+        with self.encoder.disable_adapter():
+            yield self.base
+
+    def teacher_forward(self, **model_inputs):
+        """One forward pass of the frozen base θ0 (adapter off); safe to backpropagate through."""
+        with self.teacher() as teacher:
+            return teacher(**model_inputs)
+
+    # -- composing latents ---------------------------------------------------------------------
+
+    def encode(self, tasks: list[str], experiences: list[list[str]]) -> torch.Tensor:
+        """Latents for each task from its retrieved experience traces: (B, n·K, d).
+
+        Every task needs the same number n of experiences; their latents are concatenated in order.
+        """
+        counts = {len(e) for e in experiences}
+        if len(counts) != 1 or len(tasks) != len(experiences):
+            raise ValueError(f"each of the {len(tasks)} tasks needs the same number of experiences; "
+                             f"got {[len(e) for e in experiences]}")
+        (n,) = counts
+        texts = [experience_text(t, trace) for t, traces in zip(tasks, experiences) for trace in traces]
+        batch = self.tokenizer(texts, return_tensors="pt", padding="longest", truncation=True,
+                               max_length=self.spec.max_experience_tokens, padding_side="right")
+        batch = {k: v.to(self.base.device) for k, v in batch.items()}
+        # The decoder stack alone: the encoding is the last hidden layer, no vocabulary logits.
+        states = self.base.get_decoder()(input_ids=batch["input_ids"],
+                                         attention_mask=batch["attention_mask"]).last_hidden_state
+        z = self.compressor(states, batch["attention_mask"])
+        z = z / z.norm(dim=-1, keepdim=True).clamp_min(1e-6) * self.target_norm
+        return z.reshape(len(tasks), n * self.spec.num_latents, z.size(-1))
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """ψ and χ: the LoRA matrices and the compressor; the base stays frozen."""
+        return [p for p in self.parameters() if p.requires_grad]
+
+    # -- persistence ---------------------------------------------------------------------------
+
+    def save(self, folder: str | Path) -> Path:
+        from peft import get_peft_model_state_dict
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        adapter = {k: v.detach().cpu().contiguous()
+                   for k, v in get_peft_model_state_dict(self.encoder).items()}
+        save_file(adapter, folder / self.ADAPTER_FILE)
+        save_file({k: v.detach().cpu().contiguous() for k, v in self.compressor.state_dict().items()},
+                  folder / self.COMPRESSOR_FILE)
+        (folder / self.CONFIG_FILE).write_text(json.dumps(
+            {"spec": asdict(self.spec), "target_norm": float(self.target_norm),
+             "base_hidden_size": self.base.config.hidden_size}, indent=1))
+        return folder
+
+    @classmethod
+    def load(cls, folder: str | Path, base, tokenizer) -> Composer:
+        from peft import set_peft_model_state_dict
+
+        folder = Path(folder)
+        config_path = folder / cls.CONFIG_FILE
+        if not config_path.exists():
+            raise FileNotFoundError(f"{folder} is not a composer folder (no {cls.CONFIG_FILE})")
+        config = json.loads(config_path.read_text())
+        if config["base_hidden_size"] != base.config.hidden_size:
+            raise ValueError(f"composer in {folder} was built for a base of hidden size "
+                             f"{config['base_hidden_size']}, this base has {base.config.hidden_size}")
+        composer = cls(base, tokenizer, ComposerSpec(**config["spec"]))
+        device = composer.target_norm.device
+        adapter = load_file(folder / cls.ADAPTER_FILE, device=str(device))
+        result = set_peft_model_state_dict(composer.encoder, adapter)
+        if getattr(result, "unexpected_keys", None):
+            raise ValueError(f"adapter in {folder} does not fit this base: {result.unexpected_keys[:3]}")
+        composer.compressor.load_state_dict(load_file(folder / cls.COMPRESSOR_FILE, device=str(device)))
+        composer.target_norm.fill_(config["target_norm"])
+        return composer

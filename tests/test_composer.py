@@ -1,0 +1,101 @@
+import copy
+
+import pytest
+import torch
+
+from lopd import latent
+from lopd.composer import Composer, ComposerSpec, Compressor
+
+SPEC = ComposerSpec(num_latents=4, depth=2, num_heads=4, max_experience_tokens=64, n_ret=2)
+TASKS = ["Cancel order O12.", "Hold shipment S4."]
+TRACES = [["Task: Cancel order O7.\n1. cancel_order(O7) -> ok", "Task: Cancel order O9.\n1. x"],
+          ["Task: Hold S1.\n1. hold(S1) -> ok", "Task: Reroute S2.\n1. reroute(S2) -> ok"]]
+
+
+@pytest.fixture()
+def pair(tiny_tokenizer, tiny_model):
+    """A composer over a private copy of the tiny model, and an untouched copy for reference."""
+    reference = copy.deepcopy(tiny_model).eval()
+    composer = Composer(copy.deepcopy(tiny_model).eval(), tiny_tokenizer, SPEC)
+    return composer, reference
+
+
+def _perturb_lora(composer):
+    with torch.no_grad():
+        for name, p in composer.encoder.named_parameters():
+            if "lora_" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+
+
+def test_shared_layers_make_the_parameter_count_independent_of_depth():
+    def count(depth):
+        spec = ComposerSpec(num_latents=4, depth=depth, num_heads=4)
+        return sum(p.numel() for p in Compressor(32, 48, spec).parameters())
+
+    assert count(1) == count(8) == count(16)
+
+
+def test_latents_have_the_right_shape_and_token_norm(pair, tiny_model):
+    composer, _ = pair
+    z = composer.encode(TASKS, TRACES)
+    assert z.shape == (2, SPEC.n_ret * SPEC.num_latents, tiny_model.config.hidden_size)
+    target = tiny_model.get_input_embeddings().weight.norm(dim=-1).mean()
+    assert torch.allclose(z.norm(dim=-1), target.expand(z.shape[:2]), rtol=1e-4)
+
+
+def test_teacher_pass_runs_without_the_adapter(pair, tiny_tokenizer):
+    composer, reference = pair
+    _perturb_lora(composer)
+    ids = torch.tensor([tiny_tokenizer.encode("<|im_start|>user\nCancel order O12.<|im_end|>")])
+    with torch.no_grad(), composer.teacher() as teacher:
+        teacher_logits = teacher(input_ids=ids).logits
+    with torch.no_grad():
+        adapted = composer.base(input_ids=ids).logits          # adapter on: differs
+        base_logits = reference(input_ids=ids).logits
+    assert torch.equal(teacher_logits, base_logits)
+    assert not torch.allclose(adapted, base_logits)
+
+
+def test_gradients_reach_lora_and_compressor_but_no_base_weight(pair, tiny_tokenizer):
+    composer, _ = pair
+    _perturb_lora(composer)     # LoRA B starts at zero, which would block gradient to A
+    fmt = latent.ReferenceFormat.for_tokenizer(tiny_tokenizer)
+    prompt = tiny_tokenizer.encode("<|im_start|>user\nCancel order O12.<|im_end|>\n")
+    ids, _ = latent.insert_reference(prompt, fmt.latent_block(SPEC.n_ret * SPEC.num_latents), fmt)
+    ids = torch.tensor([ids, ids])
+    z = composer.encode(TASKS, TRACES)
+    embeds = latent.splice_embeddings(composer.base.get_input_embeddings(), ids, z, fmt.latent_id)
+    composer.teacher_forward(inputs_embeds=embeds).logits.logsumexp(-1).mean().backward()
+    trainable = {n for n, p in composer.named_parameters() if p.requires_grad}
+    assert any("lora_A" in n for n in trainable) and any("compressor" in n for n in trainable)
+    for name, p in composer.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
+        else:
+            assert p.grad is None, name
+    assert all("lora_" in n or n.startswith("compressor.") for n in trainable)
+
+
+def test_save_load_round_trip_is_exact(pair, tiny_tokenizer, tiny_model, tmp_path):
+    composer, _ = pair
+    _perturb_lora(composer)
+    with torch.no_grad():
+        composer.compressor.queries.add_(1.0)
+        before = composer.encode(TASKS, TRACES)
+    composer.save(tmp_path)
+    loaded = Composer.load(tmp_path, copy.deepcopy(tiny_model).eval(), tiny_tokenizer)
+    with torch.no_grad():
+        after = loaded.encode(TASKS, TRACES)
+    assert torch.equal(before, after)
+    assert loaded.spec == SPEC
+
+
+def test_load_errors_are_clear(tiny_tokenizer, tiny_model, tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a composer folder"):
+        Composer.load(tmp_path, copy.deepcopy(tiny_model), tiny_tokenizer)
+
+
+def test_uneven_experience_counts_are_refused(pair):
+    composer, _ = pair
+    with pytest.raises(ValueError, match="same number of experiences"):
+        composer.encode(TASKS, [TRACES[0], TRACES[1][:1]])
