@@ -4,9 +4,11 @@ import pytest
 import torch
 
 from lopd import latent
-from lopd.composer import Composer, ComposerSpec, Compressor
+from lopd.composer import Composer, Compressor
+from lopd.config import ComposerConfig
 
-SPEC = ComposerSpec(num_latents=4, depth=2, num_heads=4, max_experience_tokens=64, n_ret=2)
+N_RET = 2
+SPEC = ComposerConfig(num_latents=4, depth=2, num_heads=4, max_experience_tokens=64)
 TASKS = ["Cancel order O12.", "Hold shipment S4."]
 TRACES = [["Task: Cancel order O7.\n1. cancel_order(O7) -> ok", "Task: Cancel order O9.\n1. x"],
           ["Task: Hold S1.\n1. hold(S1) -> ok", "Task: Reroute S2.\n1. reroute(S2) -> ok"]]
@@ -29,7 +31,7 @@ def _perturb_lora(composer):
 
 def test_shared_layers_make_the_parameter_count_independent_of_depth():
     def count(depth):
-        spec = ComposerSpec(num_latents=4, depth=depth, num_heads=4)
+        spec = ComposerConfig(num_latents=4, depth=depth, num_heads=4)
         return sum(p.numel() for p in Compressor(32, 48, spec).parameters())
 
     assert count(1) == count(8) == count(16)
@@ -38,7 +40,7 @@ def test_shared_layers_make_the_parameter_count_independent_of_depth():
 def test_latents_have_the_right_shape_and_token_norm(pair, tiny_model):
     composer, _ = pair
     z = composer.encode(TASKS, TRACES)
-    assert z.shape == (2, SPEC.n_ret * SPEC.num_latents, tiny_model.config.hidden_size)
+    assert z.shape == (2, N_RET * SPEC.num_latents, tiny_model.config.hidden_size)
     target = tiny_model.get_input_embeddings().weight.norm(dim=-1).mean()
     assert torch.allclose(z.norm(dim=-1), target.expand(z.shape[:2]), rtol=1e-4)
 
@@ -61,7 +63,7 @@ def test_gradients_reach_lora_and_compressor_but_no_base_weight(pair, tiny_token
     _perturb_lora(composer)     # LoRA B starts at zero, which would block gradient to A
     fmt = latent.ReferenceFormat.for_tokenizer(tiny_tokenizer)
     prompt = tiny_tokenizer.encode("<|im_start|>user\nCancel order O12.<|im_end|>\n")
-    ids, _ = latent.insert_reference(prompt, fmt.latent_block(SPEC.n_ret * SPEC.num_latents), fmt)
+    ids, _ = latent.insert_reference(prompt, fmt.latent_block(N_RET * SPEC.num_latents), fmt)
     ids = torch.tensor([ids, ids])
     z = composer.encode(TASKS, TRACES)
     embeds = latent.splice_embeddings(composer.base.get_input_embeddings(), ids, z, fmt.latent_id)

@@ -169,6 +169,23 @@ def _write_episodes(path: Path, rollouts) -> None:
             f.write(json.dumps(r.to_dict()) + "\n")
 
 
+def _read_episodes(path: Path):
+    """Rollouts from a JSONL file written by `--episodes`; a bad line is named, not a traceback."""
+    from lopd.agent import Rollout
+
+    rollouts = []
+    with path.open() as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rollouts.append(Rollout.from_dict(json.loads(line)))
+            except (ValueError, TypeError, KeyError) as exc:
+                raise ValueError(f"{path}:{number}: not a rollout record "
+                                 f"({type(exc).__name__}: {exc})") from None
+    return rollouts
+
+
 def cmd_tasks(args) -> int:
     from lopd.envs import get_env
 
@@ -228,8 +245,11 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def _make_policy(kind: str, model_path: str, cfg, device):
-    """The acting policy of `lopd eval` and the tokenizer its tokens are counted with."""
+def _make_policy(kind: str, model_path: str, cfg, device, temperature: float | None = None):
+    """The acting policy of `lopd eval` and the tokenizer its tokens are counted with.
+
+    The model samples at ``rollout.eval_temperature`` unless ``temperature`` is given.
+    """
     from lopd import agent, models, runtime
     from lopd.rollout import SamplingParams, TransformersEngine
 
@@ -241,7 +261,9 @@ def _make_policy(kind: str, model_path: str, cfg, device):
     model, tokenizer = models.load_model(model_path, device=device,
                                          dtype=runtime.resolve_dtype(cfg.run.dtype, device))
     model.eval()
-    params = SamplingParams(temperature=cfg.rollout.eval_temperature, top_p=cfg.rollout.top_p,
+    if temperature is None:
+        temperature = cfg.rollout.eval_temperature
+    params = SamplingParams(temperature=temperature, top_p=cfg.rollout.top_p,
                             top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_completion_length,
                             seed=cfg.run.seed)
     return agent.ModelPolicy(TransformersEngine(model, tokenizer), tokenizer, params), tokenizer
@@ -254,6 +276,173 @@ def cmd_base(args) -> int:
     result = build_base(cfg, args.out)
     print(key_value_table(result, title=f"base model -> {args.out}"))
     write_json(args.json_path, result)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# The experience bank
+
+
+def _open_bank(folder: str, cfg, device):
+    from lopd.experience import ExperienceBank
+
+    return ExperienceBank.open(folder, batch_size=cfg.bank.embed_batch_size, device=device)
+
+
+def cmd_bank_build(args) -> int:
+    from lopd import runtime
+    from lopd.envs import get_env
+    from lopd.experience import ExperienceBank, spec_from_config
+
+    cfg = load_config(args.config, [f"env.name={args.env}", *args.overrides])
+    if args.split != "train":
+        raise ValueError(f"--split {args.split}: only training-split tasks may enter the "
+                         "experience bank")
+    if args.limit < 0:
+        raise ValueError(f"--limit must be >= 0, got {args.limit}")
+    device = runtime.setup(cfg.run)
+    env = get_env(cfg.env.name, **cfg.env.kwargs())
+    tasks = env.tasks(args.split)[: args.limit or None]
+    # The bank is opened (or created) first, so a wrong folder fails before minutes of rollouts.
+    spec = spec_from_config(cfg.bank, args.model)
+    bank = ExperienceBank.open_or_create(
+        args.out, spec, cfg.bank.reward_threshold, cfg.bank.max_observation_chars,
+        batch_size=cfg.bank.embed_batch_size, device=device)
+    if (bank.embedder.spec, bank.reward_threshold, bank.max_observation_chars) != (
+            spec, cfg.bank.reward_threshold, cfg.bank.max_observation_chars):
+        print(f"note: {args.out} keeps the embedder ({bank.embedder.spec.describe()}), reward "
+              f"threshold ({bank.reward_threshold:g}) and observation cap "
+              f"({bank.max_observation_chars}) it was created with", file=sys.stderr)
+    with bank:
+        before = len(bank)
+        policy, tokenizer = _make_policy(args.agent, args.model, cfg, device,
+                                         temperature=cfg.rollout.temperature)
+        source = "oracle" if args.agent == "oracle" else f"model:{args.model}"
+        start = time.perf_counter()
+        rollouts = _run(env, tasks, policy, tokenizer, cfg, progress=True)
+        rollout_seconds = time.perf_counter() - start
+        if args.episodes:
+            _write_episodes(Path(args.episodes), rollouts)
+        start = time.perf_counter()
+        result = bank.add_rollouts(rollouts, {t.task_id: t for t in tasks}, source)
+        add_seconds = time.perf_counter() - start
+        per_domain: dict[str, dict] = {}
+        for rollout in rollouts:
+            d = per_domain.setdefault(rollout.domain, {"rollouts": 0, "successes": 0, "added": 0})
+            d["rollouts"] += 1
+            d["successes"] += rollout.success
+        for entry in result.added:
+            per_domain[entry.domain]["added"] += 1
+        figures = {"bank": str(args.out), "source": source, "split": args.split,
+                   "rollouts": len(rollouts), "successes": sum(r.success for r in rollouts),
+                   **result.counts(), "entries_before": before, "entries": len(bank),
+                   "rollout_seconds": round(rollout_seconds, 1),
+                   "embed_seconds": round(add_seconds, 1), "per_domain": per_domain,
+                   "embedder": bank.embedder.spec.describe(),
+                   "reward_threshold": bank.reward_threshold}
+    rows = [[domain, d["rollouts"], d["successes"], d["successes"] / d["rollouts"], d["added"]]
+            for domain, d in sorted(per_domain.items())]
+    rows.append(["all", figures["rollouts"], figures["successes"],
+                 figures["successes"] / max(1, figures["rollouts"]), figures["added"]])
+    print(format_table(["domain", "rollouts", "successes", "success rate", "added"], rows,
+                       title=f"{source} on {cfg.env.name}/{args.split} -> {args.out} "
+                       f"(rollouts {rollout_seconds:.0f}s, embedding {add_seconds:.0f}s)"))
+    print(f"\nbank: {figures['entries']} entries ({figures['duplicates']} duplicates and "
+          f"{figures['below_threshold']} below reward {bank.reward_threshold:g} not stored)")
+    write_json(args.json_path, figures)
+    return 0
+
+
+def cmd_bank_add(args) -> int:
+    from lopd import runtime
+    from lopd.envs import get_env
+
+    cfg = load_config(args.config, [f"env.name={args.env}", *args.overrides])
+    device = runtime.setup(cfg.run)
+    path = Path(args.rollouts)
+    if not path.is_file():
+        raise FileNotFoundError(f"no rollouts file {path}")
+    rollouts = _read_episodes(path)
+    env = get_env(cfg.env.name, **cfg.env.kwargs())
+    # Eval tasks are looked up too, so that the bank itself refuses them by name and split.
+    tasks = {t.task_id: t for split in ("eval", "train") for t in env.tasks(split)}
+    with _open_bank(args.bank, cfg, device) as bank:
+        result = bank.add_rollouts(rollouts, tasks, source=args.source or str(path))
+        figures = {"bank": args.bank, "rollouts": len(rollouts), **result.counts(),
+                   "entries": len(bank)}
+    print(key_value_table(figures, title=f"added {path} to {args.bank}"))
+    write_json(args.json_path, figures)
+    return 0
+
+
+def _snippet(trace: str, limit: int) -> str:
+    """The actions of a compact trace on one line (the task line is shown apart)."""
+    actions = " | ".join(line.split(". ", 1)[-1] for line in trace.splitlines()[1:])
+    return actions if len(actions) <= limit else actions[: limit - 3] + "..."
+
+
+def cmd_bank_query(args) -> int:
+    from lopd import runtime
+
+    cfg = load_config(args.config, args.overrides)
+    device = runtime.setup(cfg.run)
+    with _open_bank(args.bank, cfg, device) as bank:
+        (hits,) = bank.search([args.text], args.k or cfg.bank.n_ret,
+                              [args.exclude] if args.exclude else None,
+                              allow_self_retrieval=cfg.bank.allow_self_retrieval)
+    rows = [[rank, round(h.score, 4), h.entry.task_id, h.entry.domain, h.entry.task,
+             _snippet(h.entry.trace, 90)] for rank, h in enumerate(hits, 1)]
+    print(format_table(["rank", "score", "task id", "domain", "task", "actions"], rows,
+                       title=f"{len(hits)} hits for {args.text!r}"))
+    write_json(args.json_path, {"query": args.text, "hits": [
+        {"rank": rank, "score": h.score, **h.entry.to_dict()} for rank, h in enumerate(hits, 1)]})
+    return 0
+
+
+def cmd_bank_stats(args) -> int:
+    from lopd import runtime
+
+    cfg = load_config(args.config, args.overrides)
+    device = runtime.setup(cfg.run)
+    with _open_bank(args.bank, cfg, device) as bank:
+        stats = bank.stats()
+    rows = [[domain, n] for domain, n in stats["per_domain"].items()]
+    rows.append(["all", stats["entries"]])
+    print(format_table(["domain", "entries"], rows, title=f"experience bank {args.bank}"))
+    print()
+    print(key_value_table({k: stats[k] for k in ("tasks", "reward_threshold",
+                                                 "max_observation_chars", "embedder", "dim")}
+                          | {f"source {s}": n for s, n in stats["per_source"].items()}))
+    write_json(args.json_path, stats)
+    return 0
+
+
+def cmd_bank_eval(args) -> int:
+    from lopd import runtime
+    from lopd.envs import get_env
+    from lopd.experience import retrieval_quality
+
+    cfg = load_config(args.config, [f"env.name={args.env}", *args.overrides])
+    device = runtime.setup(cfg.run)
+    env = get_env(cfg.env.name, **cfg.env.kwargs())
+    tasks = env.tasks(args.split)[: args.limit or None]
+    k = args.k or cfg.bank.n_ret
+    if args.limit < 0 or k < 1:
+        raise ValueError("--limit must be >= 0 and -k >= 1")
+    with _open_bank(args.bank, cfg, device) as bank:
+        quality = retrieval_quality(bank, tasks, k,
+                                    allow_self_retrieval=cfg.bank.allow_self_retrieval)
+        quality.update({"bank": args.bank, "entries": len(bank), "split": args.split})
+    columns = ["top1_template", f"top{k}_any_template", f"top{k}_precision", "top1_domain",
+               "chance_top1_template", "template_in_bank"]
+    rows = [[domain, d["queries"], *(d[c] for c in columns)]
+            for domain, d in quality["per_domain"].items()]
+    rows.append(["all", quality["queries"], *(quality[c] for c in columns)])
+    headers = ["domain", "queries", "top-1 template", f"top-{k} any", f"top-{k} precision",
+               "top-1 domain", "chance top-1", "template in bank"]
+    print(format_table(headers, rows, title=f"retrieval from {args.bank} ({quality['entries']} "
+                       f"entries) for {cfg.env.name}/{args.split} queries"))
+    write_json(args.json_path, quality)
     return 0
 
 
@@ -313,6 +502,74 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     _add_json_arg(p)
     p.set_defaults(func=cmd_base)
+
+    bank = sub.add_parser("bank", help="the experience bank: build, add, query, stats, eval",
+                          description="Successful training rollouts, stored with their embeddings "
+                          "and searched by task text (leave-one-out). A bank is one folder; its "
+                          "embedder and reward threshold are fixed when it is created.")
+    bsub = bank.add_subparsers(dest="bank_command", metavar="ACTION", required=True)
+    p = bsub.add_parser("build", help="roll a model out on training tasks and keep the successes",
+                        description="Run the model (or the oracle) on the training split, with "
+                        "the sampling of the config's rollout section (rollout.temperature), and "
+                        "store the rollouts whose reward reaches bank.reward_threshold in BANK "
+                        "(created with the config's bank section if it does not exist).")
+    p.add_argument("--out", required=True, metavar="BANK", help="bank folder (created or extended)")
+    p.add_argument("--model", default="tiny", help="model folder, or 'tiny' (embedded default)")
+    p.add_argument("--agent", default="model", choices=["model", "oracle"],
+                   help="who acts: the model, or the oracle solution (a reference bank)")
+    p.add_argument("--env", default="toolworld", help="environment (default: toolworld)")
+    p.add_argument("--split", default="train", choices=["pretrain", "train", "eval"],
+                   help="must be train: no other split may enter a bank")
+    p.add_argument("--limit", type=int, default=0, help="use only the first N tasks")
+    p.add_argument("--episodes", metavar="PATH", help="also write every rollout to this JSONL file")
+    _add_config_args(p)
+    _add_json_arg(p)
+    p.set_defaults(func=cmd_bank_build)
+
+    p = bsub.add_parser("add", help="add the successes of a rollouts JSONL file to a bank",
+                        description="Store the rollouts of a JSONL file (as written by --episodes) "
+                        "that pass the bank's rules: training split, reward threshold, no "
+                        "duplicate. An eval-split rollout stops the whole add; nothing is written.")
+    p.add_argument("bank", metavar="BANK", help="bank folder")
+    p.add_argument("--rollouts", required=True, metavar="FILE.jsonl", help="rollouts to add")
+    p.add_argument("--source", help="what produced the rollouts (default: the file name)")
+    p.add_argument("--env", default="toolworld", help="environment the rollouts ran in")
+    _add_config_args(p)
+    _add_json_arg(p)
+    p.set_defaults(func=cmd_bank_add)
+
+    p = bsub.add_parser("query", help="the entries most similar to a task text, with scores",
+                        description="Embed TEXT as a query (task only) and print the closest "
+                        "entries with their cosine similarity.")
+    p.add_argument("bank", metavar="BANK", help="bank folder")
+    p.add_argument("text", help="the task text to search with")
+    p.add_argument("-k", type=int, default=0, help="hits to show (default: bank.n_ret)")
+    p.add_argument("--exclude", metavar="TASK_ID", help="leave this task's own entries out")
+    _add_config_args(p)
+    _add_json_arg(p)
+    p.set_defaults(func=cmd_bank_query)
+
+    p = bsub.add_parser("stats", help="entries per domain, reward threshold, embedder",
+                        description="Print the bank's entries per domain and source and the "
+                        "settings it was created with.")
+    p.add_argument("bank", metavar="BANK", help="bank folder")
+    _add_config_args(p)
+    _add_json_arg(p)
+    p.set_defaults(func=cmd_bank_stats)
+
+    p = bsub.add_parser("eval", help="does retrieval find the query's own kind of task?",
+                        description="Query the bank with every task of a split (leave-one-out) "
+                        "and report how often the top hit shares the query's task template, "
+                        "how often one of the top k does, and the chance rate.")
+    p.add_argument("bank", metavar="BANK", help="bank folder")
+    p.add_argument("--env", default="toolworld", help="environment (default: toolworld)")
+    p.add_argument("--split", default="eval", choices=["pretrain", "train", "eval"],
+                   help="split of the query tasks (default: eval, the held-out tasks)")
+    p.add_argument("-k", type=int, default=0, help="hits per query (default: bank.n_ret)")
+    p.add_argument("--limit", type=int, default=0, help="use only the first N query tasks")
+    _add_config_args(p)
+    _add_json_arg(p)
+    p.set_defaults(func=cmd_bank_eval)
 
     model = sub.add_parser("model", help="build or inspect models",
                            description="Build the tiny default model or inspect a model folder.")

