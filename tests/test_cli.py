@@ -6,7 +6,7 @@ import pytest
 from lopd.cli import build_parser, main
 
 SUBCOMMANDS = [[], ["quickstart"], ["config"], ["model"], ["model", "new"], ["model", "info"],
-               ["tasks"], ["eval"], ["base"], ["bank"], ["bank", "build"], ["bank", "add"],
+               ["tasks"], ["eval"], ["base"], ["cold-start"], ["bank"], ["bank", "build"], ["bank", "add"],
                ["bank", "query"], ["bank", "stats"], ["bank", "eval"]]
 
 

@@ -322,3 +322,22 @@ def test_the_papers_embedder_setting_is_expressible_in_config(tmp_path, embedder
     with torch.no_grad():
         state = embedder.backbone(input_ids=ids).last_hidden_state[0, -1]
     np.testing.assert_allclose(last.encode(texts)[0], (state / state.norm()).numpy(), atol=1e-5)
+
+
+def test_added_rollouts_are_kept_for_the_cold_start(tmp_path):
+    from lopd import agent, models
+    from lopd.envs import get_env
+
+    _, tokenizer = models.load_model("tiny")
+    env = get_env("toolworld", seed=0, sizes={"eval": 2, "train": 6, "pretrain": 0})
+    tasks = env.tasks("train")
+    rollouts = agent.run_episodes(env, tasks, agent.OraclePolicy(), tokenizer, max_turns=8,
+                                  max_new_tokens=96, batch_size=6)
+    bank = ExperienceBank.create(tmp_path, load_embedder(EmbedderSpec(kind="policy", path="tiny")))
+    by_id = {t.task_id: t for t in tasks}
+    bank.add_rollouts(rollouts[:4], by_id)
+    bank.add_rollouts(rollouts, by_id)          # 4 duplicates, 2 new
+    stored = bank.stored_rollouts()
+    assert [r.task_id for r in stored] == [r.task_id for r in rollouts]
+    assert stored[0].input_ids == rollouts[0].input_ids
+    assert stored[0].action_mask == rollouts[0].action_mask

@@ -446,6 +446,71 @@ def cmd_bank_eval(args) -> int:
     return 0
 
 
+def cmd_cold_start(args) -> int:
+    from lopd import models, runtime
+    from lopd.algorithms import cold_start as cs
+    from lopd.composer import Composer
+    from lopd.envs import get_env
+    from lopd.experience import ExperienceBank
+
+    cfg = load_config(args.config, args.overrides)
+    device = runtime.setup(cfg.run)
+    out = Path(args.out)
+    model, tokenizer = models.load_model(args.model, device=device,
+                                         dtype=runtime.resolve_dtype(cfg.run.dtype, device))
+    model.eval()
+    with ExperienceBank.open(args.bank, batch_size=cfg.bank.embed_batch_size, device=device) as bank:
+        successes = bank.stored_rollouts()
+        if not successes:
+            raise ValueError(f"{args.bank} holds no stored rollouts to train on; fill it with "
+                             "`lopd bank build`")
+        n_ret = cfg.bank.n_ret
+        # Held-out successes for the measurement: the base acts on eval tasks; they never enter
+        # the bank, they only query it.
+        env = get_env(cfg.env.name, **cfg.env.kwargs())
+        eval_tasks = env.tasks("eval")[: cfg.cold_start.eval_tasks]
+        held_out = []
+        if eval_tasks:
+            # Sampled like the bank's own rollouts (rollout.temperature), not greedy: greedy
+            # successes are the base's most confident paths and leave a reference nothing to add.
+            policy, _ = _make_policy("model", args.model, cfg, device,
+                                     temperature=cfg.rollout.temperature)
+            held_out = [r for r in _run(env, eval_tasks, policy, tokenizer, cfg, progress=True)
+                        if r.success]
+
+        composer = Composer(model, tokenizer, cfg.composer)
+        before = (cs.latent_information(composer, bank, held_out, n_ret, seed=cfg.run.seed)
+                  if held_out else {})
+        start = time.perf_counter()
+        history = cs.cold_start(composer, bank, successes, cfg.cold_start, n_ret, seed=cfg.run.seed)
+        seconds = time.perf_counter() - start
+        composer.save(out)
+        table = {}
+        if held_out:
+            after = cs.latent_information(composer, bank, held_out, n_ret, seed=cfg.run.seed)
+            table = {"no reference": after["no reference"],
+                     "retrieved latents, cold-started composer": after["retrieved latents"],
+                     "random experiences' latents, cold-started": after["random experiences' latents"],
+                     "retrieved traces as text": after["retrieved traces as text"],
+                     "retrieved latents, untrained composer": before["retrieved latents"]}
+    figures = {"composer": str(out), "bank": str(args.bank), "successes": len(successes),
+               "steps": len(history), "seconds": round(seconds, 1),
+               "first_nll": history[0]["nll"], "final_nll": history[-1]["nll"],
+               "held_out_successes": len(held_out), "nll_per_action_token": table}
+    cs.save_history(history, out, {"config": cfg.to_dict(), "figures": figures})
+    print(key_value_table({k: v for k, v in figures.items() if k != "nll_per_action_token"},
+                          title=f"cold start -> {out} (loss curve: {out}/cold_start.png)"))
+    if table:
+        plain = table["no reference"]
+        rows = [[name, nll, nll - plain] for name, nll in table.items()]
+        print()
+        print(format_table(["teacher reference", "NLL / action token", "vs no reference"], rows,
+                           title=f"teacher NLL on {len(held_out)} held-out successes "
+                           f"(eval split, n_ret={n_ret})"))
+    write_json(args.json_path, figures)
+    return 0
+
+
 # ----------------------------------------------------------------------------------------------
 # Parser
 
@@ -493,6 +558,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     _add_json_arg(p)
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("cold-start", help="fit the latent composer to a bank (teacher NLL)",
+                       description="Train the composer (LoRA on the frozen base + compressor) so "
+                       "that the frozen teacher, given latents of n_ret other retrieved "
+                       "experiences, maximises the likelihood of each stored success; then print "
+                       "the teacher's NLL on held-out successes with no reference, retrieved "
+                       "latents, random experiences' latents and the raw traces as text.")
+    p.add_argument("--model", default="tiny", help="the frozen base (folder, or 'tiny')")
+    p.add_argument("--bank", required=True, help="experience bank folder (lopd bank build)")
+    p.add_argument("--out", required=True, help="folder to write the composer to")
+    _add_config_args(p)
+    _add_json_arg(p)
+    p.set_defaults(func=cmd_cold_start)
 
     p = sub.add_parser("base", help="build the vanilla base model (tokenizer, Qwen3, SFT)",
                        description="Train a tokenizer on environment transcripts, build the Qwen3 "

@@ -42,6 +42,7 @@ from lopd.agent import Rollout
 from lopd.envs.base import Task
 
 DB_NAME = "bank.sqlite"
+ROLLOUTS_NAME = "rollouts.jsonl"
 SCHEMA_VERSION = 1
 TRAIN_SPLIT = "train"
 
@@ -574,6 +575,7 @@ class ExperienceBank:
     def add_rollouts(self, rollouts: Iterable[Rollout], tasks: Mapping[str, Task],
                      source: str = "") -> AddResult:
         """:meth:`add` for rollouts; ``tasks`` maps task ids to the tasks the rollouts ran."""
+        rollouts = list(rollouts)
         entries = []
         for rollout in rollouts:
             task = tasks.get(rollout.task_id)
@@ -582,7 +584,34 @@ class ExperienceBank:
                                 "the environment the bank is filled from")
             entries.append(Experience.from_rollout(rollout, task, source,
                                                    self.max_observation_chars))
-        return self.add(entries)
+        result = self.add(entries)
+        # The full rollouts of the new entries (token ids, action masks) are what the composer's
+        # cold start trains on; they go beside the table once the entries are committed.
+        added = {(e.task_id, e.trace) for e in result.added}
+        kept = [r for r, e in zip(rollouts, entries) if (e.task_id, e.trace) in added]
+        if kept:
+            with (self.folder / ROLLOUTS_NAME).open("a") as f:
+                for rollout in kept:
+                    f.write(json.dumps(rollout.to_dict()) + "\n")
+        return result
+
+    def stored_rollouts(self) -> list[Rollout]:
+        """The full rollouts behind the entries added with :meth:`add_rollouts` (cold-start data)."""
+        path = self.folder / ROLLOUTS_NAME
+        if not path.exists():
+            return []
+        stored = {(e.task_id, e.trace) for e in self._entries}
+        rollouts = []
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rollout = Rollout.from_dict(json.loads(line))
+            except (ValueError, TypeError, KeyError) as exc:
+                raise BankError(f"{path}:{number}: not a rollout record ({exc})") from None
+            if (rollout.task_id, rollout.compact_trace(self.max_observation_chars)) in stored:
+                rollouts.append(rollout)
+        return rollouts
 
 
 def _now() -> str:

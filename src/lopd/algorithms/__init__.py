@@ -1,0 +1,1 @@
+"""Training algorithms: each declares how its teacher sees a rollout and which loss it applies."""

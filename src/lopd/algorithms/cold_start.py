@@ -1,0 +1,174 @@
+"""Cold start of the composer: teach φ to write latents the frozen teacher can use.
+
+Before any on-policy training, the composer is fitted alone: for every successful trajectory τ_i in
+the bank, retrieve n_ret *other* experiences (leave-one-out), compose their latents Z, and minimise
+the frozen teacher's negative log-likelihood of τ_i's action tokens given Z. The base never
+changes; only the LoRA adapter ψ and the compressor χ learn.
+
+:func:`latent_information` then measures whether the latents carry information, on held-out
+successes: the teacher's NLL per action token with no reference, with retrieved latents, with
+latents of random experiences, and with the retrieved traces as plain text.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from lopd.agent import Rollout
+from lopd.composer import Composer
+from lopd.latent import ReferenceFormat
+from lopd.teacher import action_logits, per_row_mean, scoring_batch
+
+
+def retrieve_traces(bank, rollouts: Sequence[Rollout], n_ret: int,
+                    leave_one_out: bool = True) -> list[list[str]]:
+    """The compact traces of the ``n_ret`` nearest bank entries for each rollout's task."""
+    hits = bank.search([r.instruction for r in rollouts], n_ret,
+                       exclude_task_ids=[r.task_id if leave_one_out else None for r in rollouts])
+    traces = []
+    for rollout, found in zip(rollouts, hits):
+        if len(found) < n_ret:
+            raise ValueError(f"the bank returned {len(found)} experiences for task {rollout.task_id}, "
+                             f"fewer than n_ret={n_ret}: add more successes to the bank")
+        traces.append([hit.entry.trace for hit in found])
+    return traces
+
+
+def random_traces(bank, rollouts: Sequence[Rollout], n_ret: int, seed: int) -> list[list[str]]:
+    """``n_ret`` bank entries drawn at random (never the rollout's own task) per rollout."""
+    rng = random.Random(seed)
+    entries = bank.entries
+    traces = []
+    for rollout in rollouts:
+        pool = [e for e in rng.sample(entries, min(len(entries), 4 * n_ret))
+                if e.task_id != rollout.task_id]
+        traces.append([e.trace for e in pool[:n_ret]])
+    return traces
+
+
+def teacher_nll(composer: Composer, rollouts: Sequence[Rollout], fmt: ReferenceFormat,
+                traces: Sequence[Sequence[str]] | None, mode: str) -> torch.Tensor:
+    """Per-rollout mean NLL of the action tokens under the frozen teacher (differentiable in φ).
+
+    ``mode``: ``"none"`` (no reference), ``"latent"`` (composed latents of ``traces``) or
+    ``"text"`` (the traces themselves as text in the reference block).
+    """
+    tokenizer = composer.tokenizer
+    latents = blocks = None
+    if mode == "latent":
+        latents = composer.encode([r.instruction for r in rollouts], [list(t) for t in traces])
+        blocks = [fmt.latent_block(latents.size(1))] * len(rollouts)
+    elif mode == "text":
+        blocks = [fmt.text_block(tokenizer, t) for t in traces]
+    elif mode != "none":
+        raise ValueError(f"unknown reference mode {mode!r}; modes: none, latent, text")
+    batch = scoring_batch([r.input_ids for r in rollouts], [r.action_mask for r in rollouts],
+                          tokenizer.pad_token_id, blocks, fmt).to(composer.base.device)
+    with composer.teacher() as teacher:
+        scored = action_logits(teacher, batch, latents, fmt.latent_id)
+    return per_row_mean(-scored.token_logprobs(), scored.rows, len(rollouts))
+
+
+def cold_start(composer: Composer, bank, successes: Sequence[Rollout], cfg, n_ret: int,
+               seed: int = 0, progress: bool = True) -> list[dict]:
+    """Fit φ on ``successes`` (training-split rollouts); returns the per-step history."""
+    if not successes:
+        raise ValueError("cold start needs successful rollouts; build the bank first")
+    fmt = ReferenceFormat.for_tokenizer(composer.tokenizer)
+    traces = retrieve_traces(bank, successes, n_ret)
+    optimizer = torch.optim.AdamW(composer.trainable_parameters(), lr=cfg.learning_rate,
+                                  weight_decay=cfg.weight_decay)
+    rng = random.Random(seed)
+    order = list(range(len(successes)))
+    steps_per_epoch = -(-len(order) // cfg.batch_size)
+    total = min(cfg.max_steps, cfg.epochs * steps_per_epoch) if cfg.max_steps else cfg.epochs * steps_per_epoch
+    history = []
+    composer.train()
+    start = time.perf_counter()
+    bar = tqdm(total=total, desc="cold start", disable=not progress)
+    step = 0
+    while step < total:
+        rng.shuffle(order)
+        for i in range(0, len(order), cfg.batch_size):
+            if step >= total:
+                break
+            idx = order[i:i + cfg.batch_size]
+            nll = teacher_nll(composer, [successes[j] for j in idx], fmt, [traces[j] for j in idx],
+                              "latent").mean()
+            optimizer.zero_grad(set_to_none=True)
+            nll.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(composer.trainable_parameters(),
+                                                       cfg.max_grad_norm)
+            optimizer.step()
+            step += 1
+            history.append({"step": step, "nll": nll.item(), "grad_norm": grad_norm.item(),
+                            "seconds": round(time.perf_counter() - start, 2)})
+            bar.update(1)
+            bar.set_postfix(nll=f"{history[-1]['nll']:.4f}")
+    bar.close()
+    composer.eval()
+    return history
+
+
+@torch.no_grad()
+def latent_information(composer: Composer, bank, rollouts: Sequence[Rollout], n_ret: int,
+                       batch_size: int = 8, seed: int = 0) -> dict[str, float]:
+    """Teacher NLL per action token on ``rollouts`` under each kind of reference.
+
+    The mean is over all action tokens of all rollouts (token-weighted), so longer trajectories
+    count in proportion to their length.
+    """
+    fmt = ReferenceFormat.for_tokenizer(composer.tokenizer)
+    retrieved = retrieve_traces(bank, rollouts, n_ret)
+    shuffled = random_traces(bank, rollouts, n_ret, seed)
+    conditions = {
+        "no reference": (None, "none"),
+        "retrieved latents": (retrieved, "latent"),
+        "random experiences' latents": (shuffled, "latent"),
+        "retrieved traces as text": (retrieved, "text"),
+    }
+    composer.eval()
+    tokens = torch.tensor([sum(r.action_mask) for r in rollouts], dtype=torch.float64)
+    results = {}
+    for name, (traces, mode) in conditions.items():
+        per_row = []
+        for i in range(0, len(rollouts), batch_size):
+            part = traces[i:i + batch_size] if traces is not None else None
+            per_row.append(teacher_nll(composer, rollouts[i:i + batch_size], fmt, part, mode)
+                           .double().cpu())
+        per_row = torch.cat(per_row)
+        results[name] = float((per_row * tokens).sum() / tokens.sum())
+    return results
+
+
+def save_history(history: list[dict], folder: Path, extra: dict) -> None:
+    """``cold_start.json`` (config + per-step history) and ``cold_start.png`` (NLL curve)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    (folder / "cold_start.json").write_text(json.dumps({**extra, "history": history}, indent=1))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = [h["step"] for h in history]
+    values = [h["nll"] for h in history]
+    ax.plot(steps, values, lw=0.6, alpha=0.4, label="batch NLL")
+    window = max(1, len(values) // 30)
+    smooth = [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
+              for i in range(len(values))]
+    ax.plot(steps, smooth, lw=1.5, label=f"moving mean ({window} steps)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("teacher NLL per action token")
+    ax.set_title("composer cold start")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(folder / "cold_start.png", dpi=120)
+    plt.close(fig)
+

@@ -1,0 +1,74 @@
+import copy
+
+import pytest
+import torch
+
+from lopd import agent, models
+from lopd.algorithms import cold_start as cs
+from lopd.composer import Composer
+from lopd.config import ColdStartConfig, ComposerConfig
+from lopd.envs import get_env
+from lopd.experience import EmbedderSpec, ExperienceBank, load_embedder
+
+SPEC = ComposerConfig(num_latents=4, depth=2, num_heads=4, max_experience_tokens=96)
+
+
+@pytest.fixture(scope="module")
+def setting(tmp_path_factory):
+    """The embedded base, oracle successes of 40 training tasks, and a bank holding them."""
+    model, tokenizer = models.load_model("tiny")
+    env = get_env("toolworld", seed=0, sizes={"eval": 4, "train": 40, "pretrain": 0})
+    tasks = env.tasks("train")
+    rollouts = agent.run_episodes(env, tasks, agent.OraclePolicy(), tokenizer, max_turns=8,
+                                  max_new_tokens=96, batch_size=40)
+    bank = ExperienceBank.create(tmp_path_factory.mktemp("bank"),
+                                 load_embedder(EmbedderSpec(kind="policy", path="tiny")))
+    bank.add_rollouts(rollouts, {t.task_id: t for t in tasks}, source="oracle")
+    return model, tokenizer, bank, rollouts
+
+
+def test_retrieval_for_cold_start_is_leave_one_out(setting):
+    _, _, bank, rollouts = setting
+    traces = cs.retrieve_traces(bank, rollouts[:5], n_ret=3)
+    own = {r.task_id: r.compact_trace(bank.max_observation_chars) for r in rollouts}
+    for rollout, found in zip(rollouts[:5], traces):
+        assert len(found) == 3 and own[rollout.task_id] not in found
+    with pytest.raises(ValueError, match="fewer than n_ret=100"):
+        cs.retrieve_traces(bank, rollouts[:1], n_ret=100)
+
+
+def test_no_reference_nll_matches_a_plain_forward_pass(setting):
+    model, tokenizer, bank, rollouts = setting
+    composer = Composer(copy.deepcopy(model).eval(), tokenizer, SPEC)
+    fmt = cs.ReferenceFormat.for_tokenizer(tokenizer)
+    with torch.no_grad():
+        nll = cs.teacher_nll(composer, rollouts[:2], fmt, None, "none")
+        for value, r in zip(nll, rollouts[:2]):
+            ids = torch.tensor([r.input_ids])
+            logp = model(input_ids=ids).logits[0, :-1].log_softmax(-1)
+            picked = logp.gather(-1, ids[0, 1:, None]).squeeze(-1)
+            mask = torch.tensor(r.action_mask[1:], dtype=torch.bool)
+            assert value.item() == pytest.approx(-picked[mask].mean().item(), abs=1e-5)
+
+
+def test_cold_start_lowers_the_teacher_nll_and_leaves_the_base_alone(setting):
+    model, tokenizer, bank, rollouts = setting
+    base = copy.deepcopy(model).eval()
+    frozen = {k: v.clone() for k, v in base.state_dict().items()}
+    composer = Composer(base, tokenizer, SPEC)
+    before = cs.latent_information(composer, bank, rollouts[:8], n_ret=2)
+    cfg = ColdStartConfig(learning_rate=3e-3, batch_size=8, epochs=12)
+    history = cs.cold_start(composer, bank, rollouts[:8], cfg, n_ret=2, progress=False)
+    after = cs.latent_information(composer, bank, rollouts[:8], n_ret=2)
+    assert len(history) == 12 and all(torch.isfinite(torch.tensor(h["nll"])) for h in history)
+    key = "retrieved latents"
+    assert after[key] < before[key]
+    # The plain-teacher conditions do not depend on φ at all.
+    assert after["no reference"] == pytest.approx(before["no reference"], abs=1e-6)
+    assert after["retrieved traces as text"] == pytest.approx(before["retrieved traces as text"], abs=1e-6)
+    with composer.teacher() as teacher:
+        state = teacher.state_dict()
+    for name, value in frozen.items():
+        peft_name = next(k for k in state if k.endswith(name.replace(".weight", ".base_layer.weight"))
+                         or k == name)
+        assert torch.equal(state[peft_name], value), name
