@@ -72,3 +72,22 @@ def test_cold_start_lowers_the_teacher_nll_and_leaves_the_base_alone(setting):
         peft_name = next(k for k in state if k.endswith(name.replace(".weight", ".base_layer.weight"))
                          or k == name)
         assert torch.equal(state[peft_name], value), name
+
+
+def test_base_plus_composer_agent_acts_with_latents(setting):
+    from lopd.composer import ComposerPolicy
+    from lopd.models import LATENT_TOKEN
+    from lopd.rollout import SamplingParams
+
+    model, tokenizer, bank, rollouts = setting
+    composer = Composer(copy.deepcopy(model).eval(), tokenizer, SPEC)
+    env = get_env("toolworld", seed=0, sizes={"eval": 4, "train": 40, "pretrain": 0})
+    tasks = env.tasks("eval")
+    policy = ComposerPolicy(composer, bank, SamplingParams(temperature=0.0), n_ret=2)
+    episodes = agent.run_episodes(env, tasks, policy, tokenizer, max_turns=3, max_new_tokens=48,
+                                  batch_size=4)
+    latent_id = tokenizer.convert_tokens_to_ids(LATENT_TOKEN)
+    assert len(episodes) == 4 and all(latent_id not in r.input_ids for r in episodes)
+    assert sum(r.generated_tokens for r in episodes) > 0
+    # Latents are composed once per task and reused at every turn.
+    assert set(policy._latents) == {t.task_id for t in tasks}

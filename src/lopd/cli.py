@@ -228,16 +228,29 @@ def cmd_eval(args) -> int:
     tasks = env.tasks(args.split)
     if args.limit:
         tasks = tasks[: args.limit]
-    policy, tokenizer = _make_policy(args.agent, args.model, cfg, device)
+    if bool(args.composer) != bool(args.bank):
+        raise ValueError("--composer and --bank go together (the Base + Composer agent)")
+    bank = None
+    if args.composer:
+        policy, tokenizer, bank = _composer_policy(args, cfg, device)
+    else:
+        policy, tokenizer = _make_policy(args.agent, args.model, cfg, device)
     start = time.perf_counter()
-    rollouts = _run(env, tasks, policy, tokenizer, cfg, progress=True)
+    try:
+        rollouts = _run(env, tasks, policy, tokenizer, cfg, progress=True)
+    finally:
+        if bank is not None:
+            bank.close()
     seconds = time.perf_counter() - start
     summary = agent.summarize(rollouts)
-    summary.update({"agent": args.agent, "model": args.model if args.agent == "model" else None,
+    summary.update({"agent": "base+composer" if args.composer else args.agent,
+                    "composer": args.composer, "bank": args.bank,
+                    "model": args.model if args.agent == "model" else None,
                     "env": cfg.env.name, "split": args.split, "seconds": round(seconds, 1)})
     if args.episodes:
         _write_episodes(Path(args.episodes), rollouts)
-    title = (f"{args.agent}{' ' + args.model if args.agent == 'model' else ''} on "
+    who = f"base {args.model} + composer {args.composer}" if args.composer else args.agent
+    title = (f"{who}{' ' + args.model if who == 'model' else ''} on "
              f"{cfg.env.name}/{args.split} ({len(tasks)} tasks, {seconds:.0f}s)")
     print(format_table(["domain", "episodes", "mean reward", "success rate"], _eval_rows(summary),
                        title=title))
@@ -267,6 +280,25 @@ def _make_policy(kind: str, model_path: str, cfg, device, temperature: float | N
                             top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_completion_length,
                             seed=cfg.run.seed)
     return agent.ModelPolicy(TransformersEngine(model, tokenizer), tokenizer, params), tokenizer
+
+
+def _composer_policy(args, cfg, device):
+    """The "Base + Composer" agent: the base acting with latents of retrieved experiences."""
+    from lopd import models, runtime
+    from lopd.composer import Composer, ComposerPolicy
+    from lopd.experience import ExperienceBank
+    from lopd.rollout import SamplingParams
+
+    if args.agent != "model":
+        raise ValueError("--composer needs --agent model")
+    model, tokenizer = models.load_model(args.model, device=device,
+                                         dtype=runtime.resolve_dtype(cfg.run.dtype, device))
+    composer = Composer.load(args.composer, model.eval(), tokenizer).eval()
+    bank = ExperienceBank.open(args.bank, batch_size=cfg.bank.embed_batch_size, device=device)
+    params = SamplingParams(temperature=cfg.rollout.eval_temperature, top_p=cfg.rollout.top_p,
+                            top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_completion_length,
+                            seed=cfg.run.seed)
+    return ComposerPolicy(composer, bank, params, cfg.bank.n_ret), tokenizer, bank
 
 
 def cmd_base(args) -> int:
@@ -554,6 +586,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--agent", default="model", choices=["model", "oracle", "random"],
                    help="who acts: the model, the oracle solution, or random tool calls")
     p.add_argument("--limit", type=int, default=0, help="evaluate only the first N tasks")
+    p.add_argument("--composer", metavar="DIR", help="act as Base + Composer: latents of retrieved "
+                   "experiences (from --bank) in the base's prompt")
+    p.add_argument("--bank", metavar="BANK", help="experience bank for --composer")
     p.add_argument("--episodes", metavar="PATH", help="write every episode to this JSONL file")
     _add_config_args(p)
     _add_json_arg(p)

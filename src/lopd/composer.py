@@ -203,8 +203,11 @@ class ComposerPolicy(ModelPolicy):
     rollout keeps the plain conversation (no block), like any other policy's.
     """
 
-    def __init__(self, composer: Composer, bank, engine, params, n_ret: int):
-        super().__init__(engine, composer.tokenizer, params)
+    def __init__(self, composer: Composer, bank, params, n_ret: int):
+        from lopd.rollout import TransformersEngine
+
+        super().__init__(TransformersEngine(composer.base, composer.tokenizer), composer.tokenizer,
+                         params)
         self.composer, self.bank, self.n_ret = composer, bank, n_ret
         self.fmt = ReferenceFormat.for_tokenizer(composer.tokenizer)
         self.block = self.fmt.latent_block(n_ret * composer.spec.num_latents)
@@ -228,4 +231,5 @@ class ComposerPolicy(ModelPolicy):
         prompts = [insert_reference(c.prompt_ids, self.block, self.fmt)[0] for c in contexts]
         seed = self._seeds.getrandbits(63) if self._seeds is not None else None
         params = replace(self.params, max_new_tokens=max_new_tokens, seed=seed)
-        return self.engine.generate(prompts, params, latents=latents)
+        with self.composer.teacher():      # the base acts as itself: adapter off
+            return self.engine.generate(prompts, params, latents=latents)
