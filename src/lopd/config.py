@@ -136,21 +136,24 @@ class BaseConfig:
 
     pretrain_tasks: int = knob(30000, "Oracle transcripts of the pre-training pool to train on.",
                                ge=1)
-    max_steps: int = knob(20000, "Optimiser steps at most.", ge=1)
-    batch_size: int = knob(32, "Transcripts per step (grouped by length to limit padding).", ge=1)
+    max_steps: int = knob(8000, "Optimiser steps at most (also the length of the cosine decay).",
+                         ge=1)
+    batch_size: int = knob(64, "Transcripts per step (grouped by length to limit padding).", ge=1)
     learning_rate: float = knob(2e-3, "Peak AdamW learning rate (training from scratch).", gt=0.0)
     warmup_steps: int = knob(200, "Linear warm-up steps.", ge=1)
     min_lr_ratio: float = knob(0.1, "Cosine decay floor, as a fraction of the peak rate.",
                                ge=0.0, le=1.0)
     weight_decay: float = knob(0.01, "AdamW weight decay.", ge=0.0)
     max_grad_norm: float = knob(1.0, "Gradient-norm clip.", gt=0.0)
-    eval_every: int = knob(250, "Greedy validation every this many steps.", ge=1)
+    eval_every: int = knob(100, "Greedy validation every this many steps.", ge=1)
     eval_tasks: int = knob(
         100, "Validation tasks, drawn from the training split (never the eval split).", ge=1)
     stop_at_success: float = knob(
-        0.45, "Stop once validation success reaches this: the base must stay partly competent so "
+        0.35, "Stop once validation success reaches this: the base must stay partly competent so "
         "that training methods have room to improve it.", gt=0.0, le=1.0)
-    time_limit_minutes: float = knob(60.0, "Wall-clock limit of training (0 = none).", ge=0.0)
+    time_limit_minutes: float = knob(
+        0.0, "Wall-clock limit of training (0 = none; a limit makes the result depend on the "
+        "machine's speed).", ge=0.0)
 
 
 @dataclass
