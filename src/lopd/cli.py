@@ -524,6 +524,7 @@ def cmd_cold_start(args) -> int:
                      "retrieved latents, cold-started composer": after["retrieved latents"],
                      "random experiences' latents, cold-started": after["random experiences' latents"],
                      "retrieved traces as text": after["retrieved traces as text"],
+                     "empty reference block (framing only)": after["empty reference block"],
                      "retrieved latents, untrained composer": before["retrieved latents"]}
     figures = {"composer": str(out), "bank": str(args.bank), "successes": len(successes),
                "steps": len(history), "seconds": round(seconds, 1),

@@ -122,6 +122,10 @@ def latent_information(composer: Composer, bank, rollouts: Sequence[Rollout], n_
                        batch_size: int = 8, seed: int = 0) -> dict[str, float]:
     """Teacher NLL per action token on ``rollouts`` under each kind of reference.
 
+    "empty reference block" is the framing alone (the block's header text, no content): the
+    difference between it and "no reference" is what merely inserting a block costs the teacher,
+    the difference between it and the latent conditions is what the latents add.
+
     The mean is over all action tokens of all rollouts (token-weighted), so longer trajectories
     count in proportion to their length.
     """
@@ -133,6 +137,7 @@ def latent_information(composer: Composer, bank, rollouts: Sequence[Rollout], n_
         "retrieved latents": (retrieved, "latent"),
         "random experiences' latents": (shuffled, "latent"),
         "retrieved traces as text": (retrieved, "text"),
+        "empty reference block": ([[] for _ in rollouts], "text"),
     }
     composer.eval()
     tokens = torch.tensor([sum(r.action_mask) for r in rollouts], dtype=torch.float64)
