@@ -75,3 +75,27 @@ def test_pretrain_pool_too_small_is_a_clear_error(tmp_path):
     cfg = load_config("tiny", ["env.pretrain_size=5", "base.pretrain_tasks=10"])
     with pytest.raises(ValueError, match="base.pretrain_tasks=10 exceeds"):
         base.build_base(cfg, tmp_path, progress=False)
+
+
+def test_reference_blocks_leave_the_action_targets_unchanged():
+    from lopd.agent import OraclePolicy, run_episodes
+    from lopd.envs import get_env
+    from lopd.latent import REFERENCE_PREFIX
+
+    tokenizer = models.load_tokenizer(models.resolve_model_path("tiny"))
+    env = get_env("toolworld", seed=0, sizes={"eval": 2, "train": 2, "pretrain": 60})
+    tasks = env.tasks("pretrain")
+    rollouts = run_episodes(env, tasks, OraclePolicy(), tokenizer, max_turns=8,
+                            max_new_tokens=96, batch_size=60)
+    plain = base.with_references(rollouts, tasks, tokenizer, 0.0, 3, 80, seed=0)
+    assert plain == [(r.input_ids, r.action_mask) for r in rollouts]
+    augmented = base.with_references(rollouts, tasks, tokenizer, 1.0, 3, 80, seed=0)
+    with_block = 0
+    for (ids, mask), r in zip(augmented, rollouts):
+        actions = [t for t, m in zip(ids, mask) if m]
+        assert actions == [t for t, m in zip(r.input_ids, r.action_mask) if m]
+        text = tokenizer.decode(ids)
+        if len(ids) > len(r.input_ids):
+            with_block += 1
+            assert f"<|im_start|>user\n{REFERENCE_PREFIX}Task: " in text
+    assert with_block >= 50      # every task whose template has a peer in the pool

@@ -116,13 +116,18 @@ class SFTData:
         return self.ids[a:b].tolist(), self.mask[a:b].tolist()
 
     @classmethod
-    def from_rollouts(cls, rollouts: list[Rollout]) -> SFTData:
-        offsets = np.cumsum([0] + [len(r.input_ids) for r in rollouts])
-        ids = np.fromiter((t for r in rollouts for t in r.input_ids), dtype=np.int32,
+    def from_sequences(cls, sequences: list[tuple[list[int], list[int]]]) -> SFTData:
+        """From (token ids, action mask) pairs."""
+        offsets = np.cumsum([0] + [len(ids) for ids, _ in sequences])
+        ids = np.fromiter((t for seq, _ in sequences for t in seq), dtype=np.int32,
                           count=int(offsets[-1]))
-        mask = np.fromiter((m for r in rollouts for m in r.action_mask), dtype=np.uint8,
+        mask = np.fromiter((m for _, seq_mask in sequences for m in seq_mask), dtype=np.uint8,
                            count=int(offsets[-1]))
         return cls(ids=ids, mask=mask, offsets=offsets)
+
+    @classmethod
+    def from_rollouts(cls, rollouts: list[Rollout]) -> SFTData:
+        return cls.from_sequences([(r.input_ids, r.action_mask) for r in rollouts])
 
     def save(self, path: Path, meta: dict) -> None:
         np.savez_compressed(path, ids=self.ids, mask=self.mask, offsets=self.offsets,
@@ -139,6 +144,37 @@ class SFTData:
             return cls(ids=f["ids"], mask=f["mask"], offsets=f["offsets"])
 
 
+def with_references(rollouts: list[Rollout], tasks, tokenizer, fraction: float, n_ref: int,
+                    max_observation_chars: int, seed: int) -> list[tuple[list[int], list[int]]]:
+    """(ids, action mask) of every transcript; ``fraction`` of them carry a reference block.
+
+    The block is the one the self-teacher reads (:mod:`lopd.latent`): the framing text around the
+    compact traces of ``n_ref`` other solved tasks of the same template, at the start of the first
+    user message. A base that has seen such blocks reads a reference as context instead of being
+    thrown off by it, the way instruction-tuned LLMs read in-context examples; its action targets
+    are unchanged (the block is never a target).
+    """
+    from lopd.latent import ReferenceFormat, insert_reference, shift_after
+
+    fmt = ReferenceFormat.for_tokenizer(tokenizer)
+    rng = random.Random(seed)
+    by_template: dict[str, list[int]] = {}
+    for i, task in enumerate(tasks):
+        by_template.setdefault(f"{task.domain}/{task.meta.get('template', '')}", []).append(i)
+    sequences = []
+    for i, (rollout, task) in enumerate(zip(rollouts, tasks)):
+        ids, mask = list(rollout.input_ids), list(rollout.action_mask)
+        peers = [j for j in by_template[f"{task.domain}/{task.meta.get('template', '')}"] if j != i]
+        if peers and rng.random() < fraction:
+            chosen = rng.sample(peers, min(n_ref, len(peers)))
+            block = fmt.text_block(tokenizer, [rollouts[j].compact_trace(max_observation_chars)
+                                               for j in chosen])
+            ids, at = insert_reference(ids, block, fmt)
+            mask = shift_after(mask, at, len(block), 0)
+        sequences.append((ids, mask))
+    return sequences
+
+
 def prepare(cfg: Config, out: Path, env, progress: bool = True):
     """Tokenizer and SFT data, reused from ``out`` when they were made with the same settings.
 
@@ -147,7 +183,9 @@ def prepare(cfg: Config, out: Path, env, progress: bool = True):
     """
     meta = {"env": cfg.env.name, "env_seed": cfg.env.seed, "pretrain_tasks": cfg.base.pretrain_tasks,
             "vocab_size": cfg.model.vocab_size, "max_turns": cfg.rollout.max_turns,
-            "max_completion_length": cfg.rollout.max_completion_length}
+            "max_completion_length": cfg.rollout.max_completion_length,
+            "reference_fraction": cfg.base.reference_fraction, "reference_n": cfg.bank.n_ret,
+            "max_observation_chars": cfg.bank.max_observation_chars, "seed": cfg.run.seed}
     data_path = out / "sft_data.npz"
     if (out / "tokenizer.json").exists():
         tokenizer = models.load_tokenizer(out)
@@ -157,7 +195,10 @@ def prepare(cfg: Config, out: Path, env, progress: bool = True):
     pool = env.tasks("pretrain")[: cfg.base.pretrain_tasks]
     tokenizer = models.train_tokenizer(tokenizer_corpus(env, pool), vocab_size=cfg.model.vocab_size)
     tokenizer.save_pretrained(out)
-    data = SFTData.from_rollouts(oracle_rollouts(env, pool, tokenizer, cfg, progress=progress))
+    rollouts = oracle_rollouts(env, pool, tokenizer, cfg, progress=progress)
+    data = SFTData.from_sequences(with_references(
+        rollouts, pool, tokenizer, cfg.base.reference_fraction, cfg.bank.n_ret,
+        cfg.bank.max_observation_chars, cfg.run.seed))
     data.save(data_path, meta)
     return tokenizer, data
 
