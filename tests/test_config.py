@@ -13,13 +13,15 @@ def test_the_tiny_preset_differs_from_the_defaults_only_where_it_says_so():
 def test_yaml_file_and_set_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("train:\n  learning_rate: 3.0e-4\n  max_steps: 7\nrollout:\n  top_k: 5\n")
-    cfg = load_config(path, ["train.max_steps=9", "rollout.temperature=0", "run.device=cpu"])
+    cfg = load_config(path, ["train.max_steps=9", "rollout.temperature=0", "run.device=cpu",
+                             "train.max_grad_norm=5e-1"])
+    assert cfg.train.max_grad_norm == 0.5    # "5e-1" is a string to YAML, a number to people
     assert cfg.train.learning_rate == pytest.approx(3e-4)
     assert cfg.train.max_steps == 9          # --set wins over the file
     assert cfg.rollout.top_k == 5
     assert cfg.rollout.temperature == 0.0 and isinstance(cfg.rollout.temperature, float)
     assert cfg.run.device == "cpu"
-    assert cfg.train.max_grad_norm == 1.0    # untouched keys keep their defaults
+    assert cfg.train.weight_decay == 0.0     # untouched keys keep their defaults
 
 
 @pytest.mark.parametrize("override, fragments", [

@@ -185,7 +185,8 @@ def prepare(cfg: Config, out: Path, env, progress: bool = True):
             "vocab_size": cfg.model.vocab_size, "max_turns": cfg.rollout.max_turns,
             "max_completion_length": cfg.rollout.max_completion_length,
             "reference_fraction": cfg.base.reference_fraction, "reference_n": cfg.bank.n_ret,
-            "max_observation_chars": cfg.bank.max_observation_chars, "seed": cfg.run.seed}
+            "max_observation_chars": cfg.bank.max_observation_chars, "seed": cfg.run.seed,
+            "init_from": cfg.base.init_from}
     data_path = out / "sft_data.npz"
     if (out / "tokenizer.json").exists():
         tokenizer = models.load_tokenizer(out)
@@ -193,7 +194,11 @@ def prepare(cfg: Config, out: Path, env, progress: bool = True):
         if data is not None:
             return tokenizer, data
     pool = env.tasks("pretrain")[: cfg.base.pretrain_tasks]
-    tokenizer = models.train_tokenizer(tokenizer_corpus(env, pool), vocab_size=cfg.model.vocab_size)
+    if cfg.base.init_from:
+        tokenizer = models.load_tokenizer(models.resolve_model_path(cfg.base.init_from))
+    else:
+        tokenizer = models.train_tokenizer(tokenizer_corpus(env, pool),
+                                           vocab_size=cfg.model.vocab_size)
     tokenizer.save_pretrained(out)
     rollouts = oracle_rollouts(env, pool, tokenizer, cfg, progress=progress)
     data = SFTData.from_sequences(with_references(
@@ -234,8 +239,11 @@ def build_base(cfg: Config, out_dir: str | Path, progress: bool = True) -> dict:
     validation = random.Random(cfg.run.seed).sample(env.tasks("train"), bcfg.eval_tasks)
     tokenizer, data = prepare(cfg, out, env, progress=progress)
     prepare_seconds = time.perf_counter() - start
-    model = models.build_model(tokenizer, preset=cfg.model.preset, seed=cfg.run.seed,
-                               max_position_embeddings=cfg.model.max_position_embeddings)
+    if bcfg.init_from:
+        model, _ = models.load_model(bcfg.init_from)
+    else:
+        model = models.build_model(tokenizer, preset=cfg.model.preset, seed=cfg.run.seed,
+                                   max_position_embeddings=cfg.model.max_position_embeddings)
     model.to(device=device, dtype=dtype).train()
     lengths = data.lengths()
     too_long = sum(n > cfg.model.max_position_embeddings for n in lengths)
@@ -291,6 +299,7 @@ def build_base(cfg: Config, out_dir: str | Path, progress: bool = True) -> dict:
         "parameters": models.count_parameters(model),
         "vocab_size": len(tokenizer),
         "preset": cfg.model.preset,
+        "init_from": bcfg.init_from or None,
         "pretrain_transcripts": len(data),
         "tokens_per_transcript": round(len(data.ids) / len(data), 1),
         "action_tokens_per_transcript": round(int(data.mask.sum()) / len(data), 1),

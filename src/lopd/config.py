@@ -151,6 +151,9 @@ class BaseConfig:
     stop_at_success: float = knob(
         0.35, "Stop once validation success reaches this: the base must stay partly competent so "
         "that training methods have room to improve it.", gt=0.0, le=1.0)
+    init_from: str = knob(
+        "", "Continue from this model folder (or 'tiny') and its tokenizer instead of a new "
+        "tokenizer and a random initialisation; empty builds from scratch.")
     reference_fraction: float = knob(
         0.0, "Share of pre-training transcripts given a reference block (the self-teacher's "
         "framing around the compact traces of bank.n_ret other solved tasks of the same template, "
@@ -311,6 +314,12 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        # PyYAML reads "5e-4" (no dot) as a string; people write rates that way.
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
     elif tp is str:
         if isinstance(value, str):
             return value
