@@ -87,7 +87,9 @@ class RolloutConfig:
     max_completion_length: int = knob(
         96, "Most tokens the model may generate in one assistant turn.", ge=1)
     max_turns: int = knob(8, "Most assistant turns in one episode before it is cut off.", ge=1)
-    batch_size: int = knob(32, "Episodes generated together in one batch.", ge=1)
+    batch_size: int = knob(
+        128, "Episodes generated together (slots refill as episodes end). On the tiny model 128 "
+        "is 1.4x faster than 32 on this CPU; memory grows with it on large models.", ge=1)
 
 
 @dataclass
