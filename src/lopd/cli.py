@@ -264,7 +264,7 @@ def _make_policy(kind: str, model_path: str, cfg, device, temperature: float | N
     The model samples at ``rollout.eval_temperature`` unless ``temperature`` is given.
     """
     from lopd import agent, models, runtime
-    from lopd.rollout import SamplingParams, TransformersEngine
+    from lopd.rollout import TransformersEngine
 
     if kind in ("oracle", "random"):
         tokenizer = models.load_tokenizer(models.resolve_model_path(model_path))
@@ -274,12 +274,16 @@ def _make_policy(kind: str, model_path: str, cfg, device, temperature: float | N
     model, tokenizer = models.load_model(model_path, device=device,
                                          dtype=runtime.resolve_dtype(cfg.run.dtype, device))
     model.eval()
-    if temperature is None:
-        temperature = cfg.rollout.eval_temperature
-    params = SamplingParams(temperature=temperature, top_p=cfg.rollout.top_p,
-                            top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_completion_length,
-                            seed=cfg.run.seed)
+    params = _sampling(cfg, cfg.rollout.eval_temperature if temperature is None else temperature)
     return agent.ModelPolicy(TransformersEngine(model, tokenizer), tokenizer, params), tokenizer
+
+
+def _sampling(cfg, temperature: float):
+    """Sampling settings of the config's rollout section at ``temperature``, seeded by run.seed."""
+    from lopd.rollout import SamplingParams
+
+    return SamplingParams(temperature=temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+                          max_new_tokens=cfg.rollout.max_completion_length, seed=cfg.run.seed)
 
 
 def _composer_policy(args, cfg, device):
@@ -287,7 +291,6 @@ def _composer_policy(args, cfg, device):
     from lopd import models, runtime
     from lopd.composer import Composer, ComposerPolicy
     from lopd.experience import ExperienceBank
-    from lopd.rollout import SamplingParams
 
     if args.agent != "model":
         raise ValueError("--composer needs --agent model")
@@ -295,9 +298,7 @@ def _composer_policy(args, cfg, device):
                                          dtype=runtime.resolve_dtype(cfg.run.dtype, device))
     composer = Composer.load(args.composer, model.eval(), tokenizer).eval()
     bank = ExperienceBank.open(args.bank, batch_size=cfg.bank.embed_batch_size, device=device)
-    params = SamplingParams(temperature=cfg.rollout.eval_temperature, top_p=cfg.rollout.top_p,
-                            top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_completion_length,
-                            seed=cfg.run.seed)
+    params = _sampling(cfg, cfg.rollout.eval_temperature)
     return ComposerPolicy(composer, bank, params, cfg.bank.n_ret), tokenizer, bank
 
 
