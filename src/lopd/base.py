@@ -33,6 +33,7 @@ from lopd.agent import ModelPolicy, OraclePolicy, Rollout, run_episodes, summari
 from lopd.config import Config
 from lopd.envs import get_env
 from lopd.rollout import SamplingParams, TransformersEngine
+from lopd.teacher import ScoringBatch, action_logits
 
 
 def oracle_rollouts(env, tasks, tokenizer, cfg: Config, progress: bool = True) -> list[Rollout]:
@@ -60,19 +61,15 @@ def length_batches(lengths: list[int], batch_size: int, rng: random.Random) -> l
 
 
 def action_token_loss(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """Mean next-token cross-entropy over action tokens; also returns their count.
+    """Mean next-token cross-entropy over action tokens (labels != -100); also their count.
 
-    Only a fifth of the tokens are actions, so the output head is applied to the hidden states at
-    action positions alone: the same loss as full logits, at a fraction of the head's cost (on the
-    tiny model it is ~1.6x faster per step on CPU).
+    Scored with :func:`lopd.teacher.action_logits`, which applies the output head at action
+    positions only: the same loss as full logits at a fraction of the head's cost (on the tiny
+    model ~1.6x faster per step on CPU).
     """
-    hidden = model.get_decoder()(input_ids=batch["input_ids"],
-                                 attention_mask=batch["attention_mask"]).last_hidden_state
-    targets = batch["labels"][:, 1:]
-    selected = targets != -100
-    logits = model.get_output_embeddings()(hidden[:, :-1][selected])
-    loss = torch.nn.functional.cross_entropy(logits.float(), targets[selected])
-    return loss, int(selected.sum())
+    scored = action_logits(model, ScoringBatch(batch["input_ids"], batch["attention_mask"],
+                                               batch["labels"] != -100))
+    return -scored.token_logprobs().mean(), scored.targets.numel()
 
 
 def lr_at(step: int, cfg) -> float:
