@@ -545,6 +545,35 @@ def cmd_cold_start(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from lopd import trainer
+
+    if args.resume:
+        if args.out or args.composer or args.bank or args.config != "tiny":
+            raise ValueError("--resume continues a run with its saved config; do not combine it "
+                             "with --out, --composer, --bank or --config")
+        run_dir = Path(args.resume)
+        cfg = trainer.read_config(run_dir, args.overrides)
+        algo = cfg.train.algorithm
+    else:
+        if not args.out:
+            raise ValueError("lopd train needs --out RUN_DIR (or --resume RUN_DIR)")
+        run_dir = Path(args.out)
+        sets = [f"train.algorithm={args.algo}"]
+        if args.composer:
+            sets.append(f"lopd.composer={args.composer}")
+        if args.bank:
+            sets.append(f"lopd.bank={args.bank}")
+        sets += args.overrides
+        cfg = load_config(args.config, sets)
+        algo = cfg.train.algorithm
+    last = trainer.train(cfg, run_dir, algo, resume=bool(args.resume))
+    figures = {k: v for k, v in last.items() if not k.startswith(("time/", "memory/"))}
+    print(key_value_table(figures, title=f"{algo} -> {run_dir} (plots: {run_dir / trainer.PLOT_FILE})"))
+    write_json(args.json_path, last)
+    return 0
+
+
 # ----------------------------------------------------------------------------------------------
 # Parser
 
@@ -608,6 +637,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     _add_json_arg(p)
     p.set_defaults(func=cmd_cold_start)
+
+    p = sub.add_parser("train", help="train the student on-policy (LOPD and baselines)",
+                       description="Sample training tasks, roll the student out, update it with "
+                       "the chosen algorithm; evaluate on held-out tasks every train.eval_every "
+                       "steps, checkpoint every train.save_every steps. Writes config.yaml, "
+                       "metrics.jsonl, eval.jsonl, TensorBoard events, checkpoints and "
+                       "training.png into the run folder.")
+    p.add_argument("--algo", default="lopd", help="training algorithm (lopd)")
+    p.add_argument("--out", help="new run folder")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    p.add_argument("--composer", help="cold-started composer folder (LOPD; sets lopd.composer)")
+    p.add_argument("--bank", help="experience bank folder (LOPD; sets lopd.bank)")
+    _add_config_args(p)
+    _add_json_arg(p)
+    p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("base", help="build the vanilla base model (tokenizer, Qwen3, SFT)",
                        description="Train a tokenizer on environment transcripts, build the Qwen3 "

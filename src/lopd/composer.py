@@ -15,6 +15,7 @@ teacher (and any inference) with it disabled (:meth:`Composer.teacher`).
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -81,6 +82,8 @@ class Composer(nn.Module):
     """φ over a frozen base model. ``base`` is wrapped in place with the LoRA adapter; use
     :meth:`teacher` for every pass that must see the plain base (θ0)."""
 
+    ADAPTER = "default"
+    ANCHOR = "anchor"
     ADAPTER_FILE = "adapter.safetensors"
     COMPRESSOR_FILE = "compressor.safetensors"
     CONFIG_FILE = "composer.json"
@@ -104,6 +107,7 @@ class Composer(nn.Module):
         with torch.no_grad():
             norm = base.get_input_embeddings().weight.float().norm(dim=-1).mean()
         self.register_buffer("target_norm", norm.to(self.compressor.queries.dtype))
+        self.anchor_compressor: Compressor | None = None
 
     # -- the two views of the one base --------------------------------------------------------
 
@@ -130,11 +134,22 @@ class Composer(nn.Module):
 
     # -- composing latents ---------------------------------------------------------------------
 
-    def encode(self, tasks: list[str], experiences: list[list[str]]) -> torch.Tensor:
+    def encode(self, tasks: list[str], experiences: list[list[str]],
+               anchor: bool = False) -> torch.Tensor:
         """Latents for each task from its retrieved experience traces: (B, n·K, d).
 
         Every task needs the same number n of experiences; their latents are concatenated in order.
+        ``anchor=True`` composes with the frozen copy φ0 made by :meth:`freeze_anchor` instead.
         """
+        if anchor:
+            if self.anchor_compressor is None:
+                raise RuntimeError("no anchor composer: call freeze_anchor() first")
+            with self._adapter(self.ANCHOR):
+                return self._encode(tasks, experiences, self.anchor_compressor)
+        return self._encode(tasks, experiences, self.compressor)
+
+    def _encode(self, tasks: list[str], experiences: list[list[str]],
+                compressor: Compressor) -> torch.Tensor:
         counts = {len(e) for e in experiences}
         if len(counts) != 1 or len(tasks) != len(experiences):
             raise ValueError(f"each of the {len(tasks)} tasks needs the same number of experiences; "
@@ -147,9 +162,41 @@ class Composer(nn.Module):
         # The decoder stack alone: the encoding is the last hidden layer, no vocabulary logits.
         states = self.base.get_decoder()(input_ids=batch["input_ids"],
                                          attention_mask=batch["attention_mask"]).last_hidden_state
-        z = self.compressor(states, batch["attention_mask"])
+        z = compressor(states, batch["attention_mask"])
         z = z / z.norm(dim=-1, keepdim=True).clamp_min(1e-6) * self.target_norm
         return z.reshape(len(tasks), n * self.spec.num_latents, z.size(-1))
+
+    # -- the anchor φ0 ----------------------------------------------------------------------
+
+    def freeze_anchor(self) -> None:
+        """Keep a frozen copy of the current φ as φ0 (a second LoRA adapter beside ψ on the same
+        base, and a copy of the compressor), so the anchor term can compare Z_φ with Z_φ0 without
+        a second copy of the base."""
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+        if self.anchor_compressor is not None:
+            raise RuntimeError("the anchor is already frozen")
+        self.encoder.add_adapter(self.ANCHOR, self.encoder.peft_config[self.ADAPTER])
+        set_peft_model_state_dict(self.encoder, get_peft_model_state_dict(self.encoder),
+                                  adapter_name=self.ANCHOR)
+        self.encoder.set_adapter(self.ADAPTER)
+        self.anchor_compressor = copy.deepcopy(self.compressor).requires_grad_(False)
+        self._freeze_anchor_adapter()
+
+    def _freeze_anchor_adapter(self) -> None:
+        for name, p in self.encoder.named_parameters():
+            if f".{self.ANCHOR}." in name:
+                p.requires_grad_(False)
+
+    @contextlib.contextmanager
+    def _adapter(self, name: str):
+        """Encode with adapter ``name`` active; ψ is active again (and φ0 frozen) afterwards."""
+        self.encoder.set_adapter(name)
+        try:
+            yield
+        finally:
+            self.encoder.set_adapter(self.ADAPTER)
+            self._freeze_anchor_adapter()
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         """ψ and χ: the LoRA matrices and the compressor; the base stays frozen."""
@@ -174,8 +221,6 @@ class Composer(nn.Module):
 
     @classmethod
     def load(cls, folder: str | Path, base, tokenizer) -> Composer:
-        from peft import set_peft_model_state_dict
-
         folder = Path(folder)
         config_path = folder / cls.CONFIG_FILE
         if not config_path.exists():
@@ -185,14 +230,24 @@ class Composer(nn.Module):
             raise ValueError(f"composer in {folder} was built for a base of hidden size "
                              f"{config['base_hidden_size']}, this base has {base.config.hidden_size}")
         composer = cls(base, tokenizer, from_dict(ComposerConfig, config["spec"]))
-        device = composer.target_norm.device
-        adapter = load_file(folder / cls.ADAPTER_FILE, device=str(device))
-        result = set_peft_model_state_dict(composer.encoder, adapter)
+        composer.load_weights(folder)
+        return composer
+
+    def load_weights(self, folder: str | Path) -> None:
+        """Load φ (adapter ψ and compressor χ) saved by :meth:`save` into this composer."""
+        from peft import set_peft_model_state_dict
+
+        folder = Path(folder)
+        config = json.loads((folder / self.CONFIG_FILE).read_text())
+        if from_dict(ComposerConfig, config["spec"]) != self.spec:
+            raise ValueError(f"composer in {folder} has a different architecture than this one")
+        device = str(self.target_norm.device)
+        result = set_peft_model_state_dict(self.encoder, load_file(folder / self.ADAPTER_FILE,
+                                                                   device=device))
         if getattr(result, "unexpected_keys", None):
             raise ValueError(f"adapter in {folder} does not fit this base: {result.unexpected_keys[:3]}")
-        composer.compressor.load_state_dict(load_file(folder / cls.COMPRESSOR_FILE, device=str(device)))
-        composer.target_norm.fill_(config["target_norm"])
-        return composer
+        self.compressor.load_state_dict(load_file(folder / self.COMPRESSOR_FILE, device=device))
+        self.target_norm.fill_(config["target_norm"])
 
 
 class ComposerPolicy(ModelPolicy):

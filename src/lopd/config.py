@@ -96,6 +96,7 @@ class RolloutConfig:
 class TrainConfig:
     """Optimisation settings shared by every training algorithm (same budget for all methods)."""
 
+    algorithm: Literal["lopd"] = knob("lopd", "Training algorithm (`lopd train --algo`).")
     learning_rate: float = knob(1e-5, "AdamW learning rate of the student.", gt=0.0)
     max_grad_norm: float = knob(1.0, "Gradient-norm clip of the student update.", gt=0.0)
     weight_decay: float = knob(0.0, "AdamW weight decay.", ge=0.0)
@@ -109,8 +110,37 @@ class TrainConfig:
                           gt=0.0, lt=1.0)
     epsilon_high: float = knob(0.2, "Upper PPO clip range: ratios above 1 + epsilon_high are "
                                "clipped.", gt=0.0)
-    eval_every: int = knob(10, "Evaluate on held-out tasks every this many steps.", ge=1)
-    save_every: int = knob(10, "Write a checkpoint every this many steps.", ge=1)
+    eval_every: int = knob(10, "Evaluate on held-out tasks every this many steps (and at steps 0 "
+                           "and max_steps).", ge=1)
+    eval_tasks: int = knob(200, "Held-out (eval split) tasks per evaluation, the first ones of the "
+                           "split (0 = all).", ge=0)
+    save_every: int = knob(10, "Write a checkpoint every this many steps (and at the end).", ge=1)
+    keep_checkpoints: int = knob(2, "Most recent checkpoints kept in the run folder.", ge=1)
+    student: Literal["full", "lora"] = knob(
+        "full", "Train every weight of the student (paper) or a LoRA adapter on it.")
+    student_lora_r: int = knob(16, "LoRA rank of the student when train.student is 'lora'.", ge=1)
+    student_lora_alpha: int = knob(32, "LoRA alpha of the student when train.student is 'lora'.",
+                                   ge=1)
+
+
+@dataclass
+class LopdConfig:
+    """LOPD: the composer's privileged-margin objective and where its inputs come from."""
+
+    composer: str = knob("", "Cold-started composer folder (`lopd cold-start`); its φ is also the "
+                         "anchor φ0.")
+    bank: str = knob("", "Experience bank folder; the run trains on its own copy, the original "
+                     "is never changed.")
+    top_m: int = knob(20, "M: the teacher's most likely tokens kept per position; the rest is "
+                      "one tail bucket.", ge=1)
+    margin: float = knob(0.05, "m: the privileged margin the teacher must keep, Δ >= m.")
+    anchor_weight: float = knob(0.2, "λ_anchor: weight of mean((Z_φ - Z_φ0)^2).", ge=0.0)
+    dual_lr: float = knob(0.5, "η_β: step size of the dual variable β.", ge=0.0)
+    dual_init: float = knob(0.0, "β_init: starting value of the dual variable.", ge=0.0)
+    composer_learning_rate: float = knob(1e-5, "AdamW learning rate of φ (LoRA + compressor).",
+                                         gt=0.0)
+    composer_max_grad_norm: float = knob(1.0, "Gradient-norm clip of the composer update.", gt=0.0)
+    add_successes: bool = knob(True, "Add the step's successful rollouts to the bank.")
 
 
 @dataclass
@@ -259,6 +289,7 @@ class Config:
     bank: BankConfig = field(default_factory=BankConfig)
     composer: ComposerConfig = field(default_factory=ComposerConfig)
     cold_start: ColdStartConfig = field(default_factory=ColdStartConfig)
+    lopd: LopdConfig = field(default_factory=LopdConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sqlite3
 import time
 from abc import ABC, abstractmethod
@@ -567,6 +568,23 @@ class ExperienceBank:
         result.added = inserted
         self.refresh()
         return result
+
+    def snapshot(self, folder: str | Path) -> Path:
+        """A consistent copy of this bank (table and stored rollouts) in ``folder``, which must not
+        hold a bank. SQLite's backup API copies committed state even while the WAL is in use."""
+        folder = Path(folder)
+        if (folder / DB_NAME).exists():
+            raise BankError(f"{folder} already holds an experience bank")
+        folder.mkdir(parents=True, exist_ok=True)
+        target = sqlite3.connect(str(folder / DB_NAME))
+        try:
+            self._conn.backup(target)
+        finally:
+            target.close()
+        rollouts = self.folder / ROLLOUTS_NAME
+        if rollouts.exists():
+            shutil.copyfile(rollouts, folder / ROLLOUTS_NAME)
+        return folder
 
     def _contains(self, key: tuple[str, str]) -> bool:
         return self._conn.execute("SELECT 1 FROM entries WHERE task_id = ? AND trace = ?",

@@ -88,10 +88,3 @@ def action_logits(model, batch: ScoringBatch, latents: torch.Tensor | None = Non
     logits = model.get_output_embeddings()(hidden[:, :-1][predicts_action])
     return ActionLogits(logits, batch.input_ids[:, 1:][predicts_action], rows)
 
-
-def per_row_mean(values: torch.Tensor, rows: torch.Tensor, n_rows: int) -> torch.Tensor:
-    """Mean of ``values`` grouped by ``rows`` (rows without values give 0)."""
-    sums = torch.zeros(n_rows, dtype=values.dtype, device=values.device).index_add(0, rows, values)
-    counts = torch.zeros(n_rows, dtype=values.dtype, device=values.device).index_add(
-        0, rows, torch.ones_like(values))
-    return sums / counts.clamp_min(1)

@@ -24,7 +24,8 @@ from tqdm.auto import tqdm
 from lopd.agent import Rollout
 from lopd.composer import Composer
 from lopd.latent import ReferenceFormat
-from lopd.teacher import action_logits, per_row_mean, scoring_batch
+from lopd.losses import per_row_mean
+from lopd.teacher import action_logits, scoring_batch
 
 
 def retrieve_traces(bank, rollouts: Sequence[Rollout], n_ret: int,
@@ -73,7 +74,7 @@ def teacher_nll(composer: Composer, rollouts: Sequence[Rollout], fmt: ReferenceF
                           tokenizer.pad_token_id, blocks, fmt).to(composer.base.device)
     with composer.teacher() as teacher:
         scored = action_logits(teacher, batch, latents, fmt.latent_id)
-    return per_row_mean(-scored.token_logprobs(), scored.rows, len(rollouts))
+    return per_row_mean(-scored.token_logprobs(), scored.rows, len(rollouts))[0]
 
 
 def cold_start(composer: Composer, bank, successes: Sequence[Rollout], cfg, n_ret: int,

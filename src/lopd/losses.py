@@ -1,0 +1,110 @@
+"""The losses of on-policy self-distillation, as pure tensor functions.
+
+Every function takes log-probabilities over the vocabulary at action positions, flattened over the
+batch: ``(N, V)`` for N action tokens. Which side is detached is the caller's choice: the student
+update detaches the teacher, the composer update detaches the student.
+
+Top-M + tail (DESIGN §3). The support S_t is the teacher's M most likely tokens at position t. Each
+distribution is reduced to M + 1 cells: its probability on each token of S_t, then one *tail* cell
+holding the rest of its mass. The tail is the log-sum-exp of the log-probs *outside* S_t, not
+``log(1 - sum)``: when the support holds nearly all the mass, ``1 - sum`` cancels catastrophically in
+fp32 (a tail of 1e-9 rounds to 0 and its log to -inf), while the log-sum-exp of the outside values
+keeps it exact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def teacher_support(teacher_logprobs: torch.Tensor, top_m: int) -> torch.Tensor:
+    """(N, M) indices of the teacher's ``top_m`` most likely tokens (no gradient)."""
+    if top_m < 1:
+        raise ValueError(f"top_m must be >= 1, got {top_m}")
+    return teacher_logprobs.detach().topk(min(top_m, teacher_logprobs.size(-1)), dim=-1).indices
+
+
+def top_m_tail(logprobs: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
+    """(N, M + 1) log-probs: the M support tokens, then the tail (all other tokens together).
+
+    With M = V the tail is empty and its log-prob is -inf (probability exactly 0).
+    """
+    picked = logprobs.gather(-1, support)
+    if support.size(-1) >= logprobs.size(-1):
+        tail = torch.full_like(picked[..., :1], float("-inf"))
+    else:
+        outside = logprobs.scatter(-1, support, float("-inf"))
+        tail = torch.logsumexp(outside, dim=-1, keepdim=True)
+    return torch.cat([picked, tail], dim=-1)
+
+
+def kl(p_logprobs: torch.Tensor, q_logprobs: torch.Tensor) -> torch.Tensor:
+    """KL(p ‖ q) over the last dimension, one value per row; cells where p = 0 contribute 0.
+
+    Written so that empty cells (log-prob -inf on both sides) give neither NaN values nor NaN
+    gradients.
+    """
+    p = p_logprobs.exp()
+    diff = torch.where(p > 0, p_logprobs - q_logprobs, torch.zeros_like(p_logprobs))
+    return (p * diff).sum(-1)
+
+
+def reverse_kl_top_m(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
+                     top_m: int) -> torch.Tensor:
+    """(N,) KL(p̃_S ‖ p̃_T) on the teacher's top-M support plus tail: the LOPD distillation loss
+    per action token (DESIGN §3, "Distillation loss")."""
+    support = teacher_support(teacher_logprobs, top_m)
+    return kl(top_m_tail(student_logprobs, support), top_m_tail(teacher_logprobs, support))
+
+
+def forward_kl_top_m(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
+                     top_m: int) -> torch.Tensor:
+    """(N,) KL(p̃_T ‖ p̃_S) on the teacher's top-M support plus tail."""
+    support = teacher_support(teacher_logprobs, top_m)
+    return kl(top_m_tail(teacher_logprobs, support), top_m_tail(student_logprobs, support))
+
+
+def forward_kl_full(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
+    """(N,) KL(p_T ‖ p_S) over the whole vocabulary (OPSD's loss)."""
+    return kl(teacher_logprobs, student_logprobs)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean of ``values`` where ``mask`` is true (all of them when no mask); 0 when none is."""
+    if mask is None:
+        return values.mean() if values.numel() else values.sum()
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp_min(1)
+
+
+def per_row_mean(values: torch.Tensor, rows: torch.Tensor, n_rows: int) -> tuple[torch.Tensor,
+                                                                                   torch.Tensor]:
+    """Mean of ``values`` (N,) grouped by ``rows`` (N,) into ``n_rows`` groups, and each group's
+    count. Groups without values get mean 0."""
+    sums = values.new_zeros(n_rows).index_add(0, rows, values)
+    counts = values.new_zeros(n_rows).index_add(0, rows, torch.ones_like(values))
+    return sums / counts.clamp_min(1), counts
+
+
+def privileged_margin(teacher_token_logprobs: torch.Tensor, student_token_logprobs: torch.Tensor,
+                      rows: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
+    """Δ = mean over rollouts of (2r − 1) · mean_t [log π_T(a_t) − log π_S(a_t)].
+
+    ``*_token_logprobs`` (N,): each side's log-prob of the action token actually taken; ``rows``
+    (N,): the rollout each token belongs to; ``rewards`` (R,) in [0, 1]. The teacher's privilege on
+    what the student did, counted for successes and against failures. Rollouts without action
+    tokens are left out of the mean.
+    """
+    gap, counts = per_row_mean(teacher_token_logprobs - student_token_logprobs, rows, rewards.numel())
+    signed = (2 * rewards.to(gap.dtype) - 1) * gap
+    return masked_mean(signed, counts > 0)
+
+
+def anchor_loss(latents: torch.Tensor, anchor_latents: torch.Tensor) -> torch.Tensor:
+    """mean((Z_φ − Z_φ0)²): keeps the composer near its cold start."""
+    return (latents - anchor_latents.detach()).pow(2).mean()
+
+
+def dual_update(beta: float, margin: float, delta: float, lr: float) -> float:
+    """β ← max(0, β + η_β (m − Δ̄)): rises while the teacher's privilege is below the margin."""
+    return max(0.0, beta + lr * (margin - delta))

@@ -1,0 +1,490 @@
+"""The shared training loop: sample tasks → student rollouts → ``algorithm.step`` → log / eval / save.
+
+Every on-policy method in lopd (LOPD and the baselines) runs through :func:`train`. What differs
+between methods — how the teacher sees a rollout, which loss is applied, what else is learned — lives
+in an :class:`Algorithm`; everything else lives here once: seeding, task sampling, batched
+rollouts, metrics (JSONL, TensorBoard, progress bar, PNG), held-out evaluation, the count of
+generations used, checkpoints and resume.
+
+Resume is exact by construction: the tasks of step s and the sampler's seed are pure functions of
+(run.seed, s), so a run resumed from the checkpoint of step c repeats steps c+1, c+2, ... exactly as
+an uninterrupted run would (up to floating-point non-determinism of the hardware).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import resource
+import shutil
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from tqdm.auto import tqdm
+
+from lopd import models, runtime
+from lopd.agent import ModelPolicy, Rollout, run_episodes, summarize
+from lopd.config import Config, ConfigError
+from lopd.envs import get_env
+from lopd.envs.base import Task
+from lopd.rollout import SamplingParams, TransformersEngine
+
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.jsonl"
+EVAL_FILE = "eval.jsonl"
+PLOT_FILE = "training.png"
+CHECKPOINTS = "checkpoints"
+_CHECKPOINT_RE = re.compile(r"^step-(\d{6})$")
+
+
+class RunError(ValueError):
+    """A run folder cannot be started or resumed as asked; the message says why."""
+
+
+# ----------------------------------------------------------------------------------------------
+# What an algorithm gets and gives
+
+
+@dataclass
+class StepBatch:
+    """One step's on-policy data: ``rollouts[i]`` is the student's episode on ``tasks[i]``."""
+
+    step: int
+    tasks: list[Task]
+    rollouts: list[Rollout]
+
+    @property
+    def rewards(self) -> torch.Tensor:
+        return torch.tensor([r.reward for r in self.rollouts], dtype=torch.float32)
+
+
+class Updater:
+    """One AdamW optimiser over some parameters: backward, finite check, clip, step.
+
+    An update whose loss or gradient norm is not finite is skipped (weights and optimiser state
+    untouched) and counted in :attr:`skipped`.
+    """
+
+    def __init__(self, params, learning_rate: float, max_grad_norm: float, weight_decay: float = 0.0):
+        self.params = [p for p in params if p.requires_grad]
+        if not self.params:
+            raise ValueError("nothing to optimise: no parameter requires a gradient")
+        self.optimizer = torch.optim.AdamW(self.params, lr=learning_rate, weight_decay=weight_decay)
+        self.max_grad_norm = max_grad_norm
+        self.skipped = 0
+
+    def apply(self, loss: torch.Tensor) -> dict[str, float]:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+        if not (torch.isfinite(norm) and torch.isfinite(loss.detach())):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped += 1
+            return {"grad_norm": float(norm), "skipped": 1.0}
+        self.optimizer.step()
+        return {"grad_norm": float(norm), "skipped": 0.0}
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.skipped = state["skipped"]
+
+
+@dataclass
+class TrainContext:
+    """What the loop builds once and hands to the algorithm."""
+
+    cfg: Config
+    student: torch.nn.Module
+    tokenizer: object
+    device: torch.device
+    dtype: torch.dtype
+    env: object
+    train_tasks: dict[str, Task]
+    run_dir: Path
+    student_updater: Updater
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One panel of the run's plot: metric keys drawn against generations, and optional guide."""
+
+    title: str
+    keys: tuple[str, ...]
+    hline: float | None = None
+    hline_label: str = ""
+
+
+class Algorithm(ABC):
+    """How one method turns a batch of on-policy rollouts into updates."""
+
+    name: str = ""
+    group_size: int = 1
+    """Rollouts per task in one step (GRPO-style groups; 1 = every rollout a different task)."""
+
+    def __init__(self, ctx: TrainContext, checkpoint: Path | None):
+        self.ctx = ctx
+
+    @abstractmethod
+    def step(self, batch: StepBatch) -> dict[str, float]:
+        """Update the student (and whatever else the method learns); return scalar metrics."""
+
+    def panels(self) -> list[Panel]:
+        """Extra plot panels for this method's metrics."""
+        return []
+
+    def state_dict(self) -> dict:
+        """Tensors and numbers to resume from (optimisers, dual variables, ...)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def save(self, folder: Path) -> None:
+        """Write artefacts that are not plain state (a composer, a bank) into ``folder``."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Task sampling and seeds: pure functions of (seed, step), so resume needs no sampler state.
+
+
+def step_seed(seed: int, step: int) -> int:
+    return (seed * 1_000_003 + step * 7_919) % (2**63)
+
+
+def tasks_for_step(tasks: list[Task], seed: int, step: int, n_tasks: int) -> list[Task]:
+    """The ``n_tasks`` tasks of ``step`` (1-based): consecutive slices of a fresh permutation of the
+    training tasks per epoch, so every task is seen once per epoch."""
+    chosen = []
+    for i in range((step - 1) * n_tasks, step * n_tasks):
+        epoch, position = divmod(i, len(tasks))
+        order = list(range(len(tasks)))
+        random.Random(seed * 7_919 + epoch).shuffle(order)
+        chosen.append(tasks[order[position]])
+    return chosen
+
+
+# ----------------------------------------------------------------------------------------------
+# The run folder
+
+
+def write_config(cfg: Config, path: Path) -> None:
+    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+def read_config(run_dir: Path, overrides: list[str] | None = None) -> Config:
+    from lopd.config import load_config
+
+    path = run_dir / CONFIG_FILE
+    if not path.is_file():
+        raise RunError(f"{run_dir} is not a training run (no {CONFIG_FILE})")
+    return load_config(path, overrides or [])
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first (a half-written one is never listed)."""
+    folder = run_dir / CHECKPOINTS
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.is_dir() and _CHECKPOINT_RE.match(p.name))
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _rewrite_jsonl(path: Path, records: list[dict]) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    os.replace(tmp, path)
+
+
+def peak_memory_mb(device: torch.device) -> dict[str, float]:
+    """Peak resident memory of this process (and peak CUDA allocation on a GPU), in MiB."""
+    figures = {"memory/peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if device.type == "cuda":
+        figures["memory/peak_cuda_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+    return figures
+
+
+# ----------------------------------------------------------------------------------------------
+# The loop
+
+
+@dataclass
+class Trainer:
+    """Owns the student, the run folder and the schedule; delegates updates to the algorithm."""
+
+    cfg: Config
+    run_dir: Path
+    algorithm_cls: type
+    resume: bool = False
+    progress: bool = True
+    ctx: TrainContext = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.run_dir = Path(self.run_dir)
+        found = checkpoints(self.run_dir)
+        if self.resume and not found:
+            raise RunError(f"{self.run_dir} has no complete checkpoint to resume from")
+        if not self.resume and (self.run_dir / CONFIG_FILE).exists():
+            raise RunError(f"{self.run_dir} already holds a run; resume it with --resume "
+                           f"{self.run_dir} or choose a new --out")
+        checkpoint = found[-1] if self.resume else None
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if not self.resume:
+            write_config(self.cfg, self.run_dir / CONFIG_FILE)
+
+        cfg = self.cfg
+        self.device = runtime.setup(cfg.run)
+        self.dtype = runtime.resolve_dtype(cfg.run.dtype, self.device)
+        self.env = get_env(cfg.env.name, **cfg.env.kwargs())
+        train_tasks = self.env.tasks("train")
+        self.train_tasks = train_tasks
+        eval_tasks = self.env.tasks("eval")
+        self.eval_tasks = eval_tasks[: cfg.train.eval_tasks or None]
+        student, tokenizer = self._load_student(checkpoint)
+        updater = Updater(student.parameters(), cfg.train.learning_rate, cfg.train.max_grad_norm,
+                          cfg.train.weight_decay)
+        self.ctx = TrainContext(cfg, student, tokenizer, self.device, self.dtype, self.env,
+                                {t.task_id: t for t in train_tasks}, self.run_dir, updater)
+        self.algorithm = self.algorithm_cls(self.ctx, checkpoint)
+        if cfg.train.rollouts_per_step % self.algorithm.group_size:
+            raise ConfigError(f"train.rollouts_per_step={cfg.train.rollouts_per_step} must be a "
+                              f"multiple of {self.algorithm.name}'s group size "
+                              f"{self.algorithm.group_size}")
+        self.engine = TransformersEngine(student, tokenizer)
+        self.start_step, self.generations = 0, 0
+        if checkpoint is not None:
+            self._restore(checkpoint)
+
+    # -- the student --------------------------------------------------------------------------
+
+    def _load_student(self, checkpoint: Path | None):
+        cfg = self.cfg
+        source = checkpoint / "student" if checkpoint is not None and cfg.train.student == "full" \
+            else cfg.model.name_or_path
+        model, tokenizer = models.load_model(source, device=self.device, dtype=self.dtype,
+                                             trust_remote_code=cfg.model.trust_remote_code)
+        if cfg.train.student == "lora":
+            from peft import LoraConfig, get_peft_model
+
+            for p in model.parameters():
+                p.requires_grad_(False)
+            model = get_peft_model(model, LoraConfig(
+                r=cfg.train.student_lora_r, lora_alpha=cfg.train.student_lora_alpha,
+                lora_dropout=0.0, target_modules=list(cfg.composer.lora_targets)))
+            if checkpoint is not None:
+                from peft import set_peft_model_state_dict
+                from safetensors.torch import load_file
+
+                set_peft_model_state_dict(model, load_file(
+                    checkpoint / "student_adapter.safetensors", device=str(self.device)))
+        return model, tokenizer
+
+    def _save_student(self, folder: Path) -> None:
+        student, tokenizer = self.ctx.student, self.ctx.tokenizer
+        if self.cfg.train.student == "lora":
+            import copy
+
+            from peft import get_peft_model_state_dict
+            from safetensors.torch import save_file
+
+            save_file({k: v.detach().cpu().contiguous()
+                       for k, v in get_peft_model_state_dict(student).items()},
+                      folder / "student_adapter.safetensors")
+            student = copy.deepcopy(student).merge_and_unload()
+        models.save_model(student, tokenizer, folder / "student")
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def save_checkpoint(self, step: int) -> Path:
+        """Write the checkpoint of ``step`` atomically: a temporary folder renamed when complete."""
+        folder = self.run_dir / CHECKPOINTS
+        folder.mkdir(exist_ok=True)
+        final = folder / f"step-{step:06d}"
+        tmp = folder / f".step-{step:06d}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        self._save_student(tmp)
+        self.algorithm.save(tmp)
+        torch.save({"step": step, "generations": self.generations,
+                    "student_updater": self.ctx.student_updater.state_dict(),
+                    "algorithm": self.algorithm.state_dict(), "rng": _rng_state()},
+                   tmp / "state.pt")
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in checkpoints(self.run_dir)[: -self.cfg.train.keep_checkpoints]:
+            shutil.rmtree(old)
+        return final
+
+    def _restore(self, checkpoint: Path) -> None:
+        state = torch.load(checkpoint / "state.pt", weights_only=False)
+        self.ctx.student_updater.load_state_dict(state["student_updater"])
+        self.algorithm.load_state_dict(state["algorithm"])
+        _set_rng_state(state["rng"])
+        self.start_step, self.generations = state["step"], state["generations"]
+        # Records written after the checkpoint belong to steps that will run again.
+        for name in (METRICS_FILE, EVAL_FILE):
+            path = self.run_dir / name
+            _rewrite_jsonl(path, [r for r in _read_jsonl(path) if r["step"] <= self.start_step])
+
+    # -- rollouts and evaluation --------------------------------------------------------------
+
+    def rollouts(self, tasks: list[Task], temperature: float, seed: int | None) -> list[Rollout]:
+        cfg = self.cfg.rollout
+        params = SamplingParams(temperature=temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                max_new_tokens=cfg.max_completion_length, seed=seed)
+        self.ctx.student.eval()
+        with torch.no_grad():
+            return run_episodes(self.env, tasks, ModelPolicy(self.engine, self.ctx.tokenizer, params),
+                                self.ctx.tokenizer, cfg.max_turns, cfg.max_completion_length,
+                                cfg.batch_size)
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Greedy (rollout.eval_temperature) episodes on the held-out tasks."""
+        start = time.perf_counter()
+        episodes = self.rollouts(self.eval_tasks, self.cfg.rollout.eval_temperature,
+                                 step_seed(self.cfg.run.seed, -1))
+        summary = summarize(episodes)
+        record = {"step": step, "generations": self.generations,
+                  "seconds": round(time.perf_counter() - start, 2), **summary}
+        with (self.run_dir / EVAL_FILE).open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        return {"eval/mean_reward": summary["mean_reward"],
+                "eval/success_rate": summary["success_rate"],
+                **{f"eval/{d}/success_rate": v["success_rate"]
+                   for d, v in summary["per_domain"].items()}}
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        from torch.utils.tensorboard import SummaryWriter
+
+        cfg = self.cfg
+        writer = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=self.start_step + 1
+                               if self.start_step else None)
+        n_tasks = cfg.train.rollouts_per_step // self.algorithm.group_size
+        metrics_path = self.run_dir / METRICS_FILE
+        if self.start_step == 0:
+            record = {"step": 0, "generations": 0, **self.evaluate(0)}
+            self._log(record, writer, metrics_path)
+        bar = tqdm(total=cfg.train.max_steps, initial=self.start_step, desc=f"train {self.algorithm.name}",
+                   unit="step", disable=not self.progress)
+        last = {}
+        for step in range(self.start_step + 1, cfg.train.max_steps + 1):
+            seed = step_seed(cfg.run.seed, step)
+            runtime.set_seed(seed)
+            tasks = [t for t in tasks_for_step(self.train_tasks, cfg.run.seed, step, n_tasks)
+                     for _ in range(self.algorithm.group_size)]
+            started = time.perf_counter()
+            rollouts = self.rollouts(tasks, cfg.rollout.temperature, seed)
+            rollout_seconds = time.perf_counter() - started
+            self.ctx.student.train()
+            figures = self.algorithm.step(StepBatch(step, tasks, rollouts))
+            self.generations += len(rollouts)
+            record = {"step": step, "generations": self.generations,
+                      "train/mean_reward": float(np.mean([r.reward for r in rollouts])),
+                      "train/success_rate": float(np.mean([r.success for r in rollouts])),
+                      "train/generated_tokens": sum(r.generated_tokens for r in rollouts),
+                      "time/rollout": rollout_seconds, **figures,
+                      "time/step": time.perf_counter() - started,
+                      "student/skipped_updates": self.ctx.student_updater.skipped,
+                      **peak_memory_mb(self.device)}
+            if step % cfg.train.eval_every == 0 or step == cfg.train.max_steps:
+                record.update(self.evaluate(step))
+            self._log(record, writer, metrics_path)
+            if step % cfg.train.save_every == 0 or step == cfg.train.max_steps:
+                self.save_checkpoint(step)
+            last = record
+            bar.update(1)
+            shown = {"train/mean_reward": "reward", "eval/mean_reward": "eval", "kl": "kl",
+                     "delta": "delta"}
+            bar.set_postfix({name: f"{record[k]:.3f}" for k, name in shown.items() if k in record})
+        bar.close()
+        writer.close()
+        self.plot()
+        return last
+
+    def _log(self, record: dict, writer, path: Path) -> None:
+        with path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        for key, value in record.items():
+            if key not in ("step", "generations") and isinstance(value, (int, float)):
+                writer.add_scalar(key, value, record["step"])
+        writer.flush()
+
+    def plot(self) -> Path:
+        return plot_run(self.run_dir, self.algorithm.panels(), self.algorithm.name)
+
+
+def plot_run(run_dir: Path, extra: list[Panel], title: str = "") -> Path:
+    """``training.png``: held-out and training reward against generations, then ``extra`` panels."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = _read_jsonl(run_dir / METRICS_FILE)
+    panels = [Panel("held-out mean reward", ("eval/mean_reward", "eval/success_rate")),
+              Panel("training rollouts", ("train/mean_reward", "train/success_rate")), *extra]
+    cols = 3
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+    for ax, panel in zip(axes.flat, panels):
+        for key in panel.keys:
+            points = [(r["generations"], r[key]) for r in records if key in r]
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, marker="o" if len(points) < 30 else None, ms=3,
+                        label=key.split("/")[-1])
+        if panel.hline is not None:
+            ax.axhline(panel.hline, color="grey", ls="--", lw=1, label=panel.hline_label)
+        ax.set_title(panel.title)
+        ax.set_xlabel("generations (rollouts)")
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(f"{title} — {run_dir.name}")
+    fig.tight_layout()
+    path = run_dir / PLOT_FILE
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def train(cfg: Config, run_dir: str | Path, algorithm: str, resume: bool = False,
+          progress: bool = True) -> dict:
+    """Run (or resume) training with the named algorithm; returns the last step's metrics."""
+    from lopd.algorithms import get_algorithm
+
+    trainer = Trainer(cfg, Path(run_dir), get_algorithm(algorithm), resume=resume, progress=progress)
+    return trainer.run()

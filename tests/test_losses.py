@@ -1,0 +1,126 @@
+"""Each loss against a brute-force or hand-computed reference."""
+
+import math
+
+import pytest
+import torch
+
+from lopd import losses
+
+
+def brute_top_m_kl(p_probs, q_probs, support, reverse=True):
+    """KL between the (M + 1)-cell reductions, one row at a time, in float64."""
+    out = []
+    for row in range(p_probs.size(0)):
+        s = support[row].tolist()
+        p = [p_probs[row, i].item() for i in s]
+        q = [q_probs[row, i].item() for i in s]
+        p.append(1 - sum(p))
+        q.append(1 - sum(q))
+        a, b = (p, q) if reverse else (q, p)
+        out.append(sum(x * (math.log(x) - math.log(y)) for x, y in zip(a, b) if x > 0))
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def random_logprobs(n, v, seed, scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.log_softmax(torch.randn(n, v, generator=g, dtype=torch.float64) * scale, -1)
+
+
+def test_top_m_tail_cells_are_support_probs_then_the_rest():
+    lp = torch.log(torch.tensor([[0.5, 0.2, 0.2, 0.1]], dtype=torch.float64))
+    cells = losses.top_m_tail(lp, torch.tensor([[2, 0]])).exp()
+    assert torch.allclose(cells, torch.tensor([[0.2, 0.5, 0.3]], dtype=torch.float64))
+
+
+def test_hand_computed_two_token_case():
+    # Vocabulary of 3, M = 1. Teacher (0.7, 0.2, 0.1): support {0}. Student (0.4, 0.4, 0.2).
+    teacher = torch.log(torch.tensor([[0.7, 0.2, 0.1]], dtype=torch.float64))
+    student = torch.log(torch.tensor([[0.4, 0.4, 0.2]], dtype=torch.float64))
+    reverse = 0.4 * math.log(0.4 / 0.7) + 0.6 * math.log(0.6 / 0.3)
+    forward = 0.7 * math.log(0.7 / 0.4) + 0.3 * math.log(0.3 / 0.6)
+    assert losses.reverse_kl_top_m(student, teacher, 1).item() == pytest.approx(reverse, abs=1e-12)
+    assert losses.forward_kl_top_m(student, teacher, 1).item() == pytest.approx(forward, abs=1e-12)
+
+
+@pytest.mark.parametrize("top_m", [1, 5, 20])
+def test_top_m_kl_matches_brute_force(top_m):
+    student, teacher = random_logprobs(6, 50, 0), random_logprobs(6, 50, 1)
+    support = teacher.topk(top_m, -1).indices
+    ref = brute_top_m_kl(student.exp(), teacher.exp(), support)
+    assert torch.allclose(losses.reverse_kl_top_m(student, teacher, top_m), ref, atol=1e-10)
+    ref = brute_top_m_kl(student.exp(), teacher.exp(), support, reverse=False)
+    assert torch.allclose(losses.forward_kl_top_m(student, teacher, top_m), ref, atol=1e-10)
+
+
+def test_m_equal_to_vocab_is_the_full_kl_with_finite_gradients():
+    student = random_logprobs(4, 12, 2).float().requires_grad_(True)
+    teacher = random_logprobs(4, 12, 3).float()
+    full = (student.exp() * (student - teacher)).sum(-1)
+    got = losses.reverse_kl_top_m(student, teacher, 12)
+    assert torch.allclose(got, full, atol=1e-6)
+    assert torch.allclose(losses.reverse_kl_top_m(student, teacher, 100), full, atol=1e-6)
+    got.sum().backward()
+    assert torch.isfinite(student.grad).all()
+
+
+def test_vanishing_tail_stays_exact_and_finite_in_fp32():
+    # The support holds all but ~1e-12 of the mass: 1 - sum(...) would round to 0 in fp32.
+    logits = torch.tensor([[30.0, 30.0, 2.0, 1.0]], dtype=torch.float32)
+    teacher = torch.log_softmax(logits, -1)
+    student = torch.log_softmax(logits * 0.5, -1).requires_grad_(True)
+    cells = losses.top_m_tail(teacher, torch.tensor([[0, 1]]))
+    exact = torch.log_softmax(logits.double(), -1)[0, 2:].exp().sum().log()
+    assert cells[0, 2].item() == pytest.approx(exact.item(), rel=1e-5)
+    assert math.isfinite(cells[0, 2].item())
+    value = losses.reverse_kl_top_m(student, teacher, 2)
+    value.sum().backward()
+    assert torch.isfinite(value).all() and torch.isfinite(student.grad).all()
+    assert value.item() >= 0
+
+
+def test_kl_is_zero_for_identical_distributions_and_gradient_flows_to_the_live_side():
+    lp = random_logprobs(3, 30, 4).float()
+    assert torch.allclose(losses.reverse_kl_top_m(lp, lp, 5), torch.zeros(3), atol=1e-7)
+    teacher = random_logprobs(3, 30, 5).float().requires_grad_(True)
+    student = lp.clone().requires_grad_(True)
+    losses.reverse_kl_top_m(student, teacher.detach(), 5).sum().backward()
+    assert student.grad.abs().sum() > 0 and teacher.grad is None
+
+
+def test_forward_kl_full_matches_definition():
+    student, teacher = random_logprobs(5, 40, 6), random_logprobs(5, 40, 7)
+    ref = (teacher.exp() * (teacher - student)).sum(-1)
+    assert torch.allclose(losses.forward_kl_full(student, teacher), ref, atol=1e-12)
+
+
+def test_masked_mean_ignores_masked_tokens():
+    values = torch.tensor([1.0, 100.0, 3.0, float("nan")])
+    mask = torch.tensor([True, False, True, False])
+    assert losses.masked_mean(values.nan_to_num(0.0), mask).item() == pytest.approx(2.0)
+    assert losses.masked_mean(torch.tensor([2.0, 4.0])).item() == pytest.approx(3.0)
+    assert losses.masked_mean(values[:0], mask[:0]).item() == 0.0
+
+
+def test_privileged_margin_hand_computed():
+    # Rollout 0 (reward 1): gaps 0.2, 0.4 -> mean 0.3, sign +1.
+    # Rollout 1 (reward 0): gap -0.1 -> sign -1 -> +0.1.
+    # Rollout 2 (reward 0.5): sign 0. Rollout 3: no tokens, left out.
+    teacher = torch.tensor([0.2, 0.4, -0.1, 5.0])
+    student = torch.zeros(4)
+    rows = torch.tensor([0, 0, 1, 2])
+    rewards = torch.tensor([1.0, 0.0, 0.5, 1.0])
+    delta = losses.privileged_margin(teacher, student, rows, rewards)
+    assert delta.item() == pytest.approx((0.3 + 0.1 + 0.0) / 3)
+
+
+def test_anchor_loss_and_dual_update():
+    z = torch.tensor([[1.0, 2.0], [3.0, 4.0]], requires_grad=True)
+    z0 = torch.tensor([[1.0, 0.0], [3.0, 2.0]])
+    loss = losses.anchor_loss(z, z0)
+    assert loss.item() == pytest.approx((0 + 4 + 0 + 4) / 4)
+    loss.backward()
+    assert torch.allclose(z.grad, torch.tensor([[0.0, 1.0], [0.0, 1.0]]))
+    assert losses.dual_update(0.0, 0.05, 0.0, 0.5) == pytest.approx(0.025)
+    assert losses.dual_update(0.1, 0.05, 0.5, 0.5) == 0.0
+    assert losses.dual_update(0.3, 0.05, 0.15, 0.5) == pytest.approx(0.25)
