@@ -1,0 +1,173 @@
+"""LOPD on the embedded tiny base: what one step changes, the dual variable, the collapse the margin
+prevents, and resume after a kill."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+
+from lopd import agent, models, trainer
+from lopd.composer import Composer
+from lopd.config import ComposerConfig, load_config
+from lopd.envs import get_env
+from lopd.experience import EmbedderSpec, ExperienceBank, load_embedder
+
+SPEC = ComposerConfig(num_latents=4, depth=2, num_heads=4, max_experience_tokens=96)
+SIZES = {"train": 40, "eval": 4, "pretrain": 0}
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """A bank of oracle successes on 40 training tasks and an (untrained) composer folder."""
+    root = tmp_path_factory.mktemp("lopd-inputs")
+    model, tokenizer = models.load_model("tiny")
+    env = get_env("toolworld", seed=0, sizes=SIZES)
+    tasks = env.tasks("train")
+    rollouts = agent.run_episodes(env, tasks, agent.OraclePolicy(), tokenizer, max_turns=8,
+                                  max_new_tokens=96, batch_size=40)
+    with ExperienceBank.create(root / "bank", load_embedder(EmbedderSpec(kind="policy",
+                                                                         path="tiny"))) as bank:
+        bank.add_rollouts(rollouts, {t.task_id: t for t in tasks}, source="oracle")
+    torch.manual_seed(0)
+    Composer(model.eval(), tokenizer, SPEC).save(root / "composer")
+    return root
+
+
+def config(inputs, **sets):
+    values = {"env.train_size": 40, "env.eval_size": 4, "env.pretrain_size": 0,
+              "train.rollouts_per_step": 4, "train.eval_tasks": 2, "train.max_steps": 4,
+              "train.eval_every": 2, "train.save_every": 2, "rollout.max_turns": 3,
+              "rollout.max_completion_length": 48, "rollout.batch_size": 4,
+              "composer.num_latents": SPEC.num_latents, "composer.depth": SPEC.depth,
+              "composer.max_experience_tokens": SPEC.max_experience_tokens, "bank.n_ret": 2,
+              "lopd.composer": str(inputs / "composer"), "lopd.bank": str(inputs / "bank"),
+              **sets}
+    return load_config("tiny", [f"{k}={v}" for k, v in values.items()])
+
+
+def build(inputs, run_dir, **sets):
+    from lopd.algorithms import get_algorithm
+
+    return trainer.Trainer(config(inputs, **sets), run_dir, get_algorithm("lopd"), progress=False)
+
+
+def one_batch(t, step=1):
+    tasks = trainer.tasks_for_step(t.train_tasks, 0, step, 4)
+    return trainer.StepBatch(step, tasks, t.rollouts(tasks, 1.0, seed=step))
+
+
+def test_one_step_changes_student_and_composer_but_not_the_base(inputs, tmp_path):
+    t = build(inputs, tmp_path / "run", **{"train.learning_rate": 1e-3,
+                                           "lopd.composer_learning_rate": 1e-3})
+    alg = t.algorithm
+    student = {k: v.clone() for k, v in t.ctx.student.state_dict().items()}
+    phi = [p.detach().clone() for p in alg.composer.trainable_parameters()]
+    with alg.composer.teacher() as base:
+        frozen = {k: v.clone() for k, v in base.state_dict().items() if "lora_" not in k}
+    anchor = {k: v.clone() for k, v in alg.composer.anchor_compressor.state_dict().items()}
+    figures = alg.step(one_batch(t))
+    assert figures["action_tokens"] > 0 and figures["kl"] > 0
+    assert any(not torch.equal(v, t.ctx.student.state_dict()[k]) for k, v in student.items())
+    assert any(not torch.equal(a, b) for a, b in zip(phi, alg.composer.trainable_parameters()))
+    with alg.composer.teacher() as base:
+        after = base.state_dict()
+        for k, v in frozen.items():
+            assert torch.equal(v, after[k]), k
+    for k, v in alg.composer.anchor_compressor.state_dict().items():
+        assert torch.equal(v, anchor[k]), k
+    # The anchor adapter φ0 is still the cold start: its latents equal a fresh load's.
+    fresh_base, tokenizer = models.load_model("tiny")
+    fresh = Composer.load(inputs / "composer", fresh_base.eval(), tokenizer)
+    traces = [["1. a -> b", "1. c -> d"]]
+    with torch.no_grad():
+        assert torch.allclose(alg.composer.encode(["x"], traces, anchor=True),
+                              fresh.encode(["x"], traces), atol=1e-6)
+
+
+def test_beta_rises_below_the_margin_and_falls_to_zero_above_it(inputs, tmp_path):
+    t = build(inputs, tmp_path / "run", **{"lopd.margin": 10.0, "lopd.add_successes": False})
+    alg = t.algorithm
+    batch = one_batch(t)
+    betas = [alg.beta]
+    for _ in range(2):
+        alg.step(batch)
+        betas.append(alg.beta)
+    assert betas[0] == 0.0 and betas[0] < betas[1] < betas[2]
+    alg.spec.margin = -10.0
+    for _ in range(4):
+        figures = alg.step(batch)
+        assert figures["delta"] > -10.0
+        betas.append(alg.beta)
+    falling = betas[2:]
+    assert all(a > b or a == b == 0.0 for a, b in zip(falling, falling[1:]))
+    assert falling[-1] == 0.0
+
+
+def _deltas_on_a_fixed_batch(inputs, run_dir, steps, **sets):
+    """Δ over repeated LOPD steps on one batch of oracle successes, with a random-init student (so
+    the teacher starts far ahead: Δ ≈ 7 nats) that barely moves (learning rate 1e-9)."""
+    t = build(inputs, run_dir, **{"lopd.anchor_weight": 0.0, "lopd.add_successes": False,
+                                  "lopd.composer_learning_rate": 1e-2, "train.learning_rate": 1e-9,
+                                  **sets})
+    tasks = trainer.tasks_for_step(t.train_tasks, 0, 1, 4)
+    rollouts = agent.run_episodes(t.env, tasks, agent.OraclePolicy(), t.ctx.tokenizer, 8, 96, 4)
+    t.ctx.student.load_state_dict(models.build_model(t.ctx.tokenizer, "tiny", seed=1).state_dict())
+    batch = trainer.StepBatch(1, tasks, rollouts)
+    return [t.algorithm.step(batch)["delta"] for _ in range(steps)]
+
+
+def test_without_the_margin_the_teacher_collapses_onto_the_student(inputs, tmp_path):
+    free = _deltas_on_a_fixed_batch(inputs, tmp_path / "free", 10,
+                                    **{"lopd.dual_lr": 0.0, "lopd.dual_init": 0.0})
+    held = _deltas_on_a_fixed_batch(inputs, tmp_path / "held", 10,
+                                    **{"lopd.dual_lr": 0.5, "lopd.dual_init": 2.0,
+                                       "lopd.margin": 8.0})
+    assert free[0] == pytest.approx(held[0]) and free[0] > 5
+    late = sum(free[-3:]) / 3
+    # KL_φ alone pulls the teacher onto the student: the privilege shrinks ...
+    assert late < free[0] - 0.15
+    # ... while the margin term (Δ < m, so β > 0) keeps it from shrinking.
+    assert sum(held[-3:]) / 3 > held[0] > late
+
+
+def _metrics(run_dir):
+    return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def _cli(*args):
+    return [sys.executable, "-m", "lopd", "train", *args]
+
+
+def test_resume_after_kill_repeats_the_uninterrupted_run(inputs, tmp_path):
+    cfg_path = tmp_path / "config.yaml"
+    cfg_path.write_text(yaml.safe_dump(config(inputs).to_dict()))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    subprocess.run(_cli("--config", str(cfg_path), "--out", str(whole)), check=True, env=env,
+                   capture_output=True, timeout=600)
+    proc = subprocess.Popen(_cli("--config", str(cfg_path), "--out", str(broken)), env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if (broken / "metrics.jsonl").exists() and 3 in _metrics(broken):
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert [c.name for c in trainer.checkpoints(broken)][-1] == "step-000002"
+    subprocess.run(_cli("--resume", str(broken)), check=True, env=env, capture_output=True,
+                   timeout=600)
+    a, b = _metrics(whole), _metrics(broken)
+    assert sorted(a) == sorted(b) == [0, 1, 2, 3, 4]
+    for step in (3, 4):
+        for key in ("train/mean_reward", "kl", "kl_composer", "delta", "beta", "anchor",
+                    "action_tokens", "bank/size", "generations"):
+            assert b[step][key] == pytest.approx(a[step][key], rel=1e-4, abs=1e-6), (step, key)
+    assert b[4]["eval/mean_reward"] == pytest.approx(a[4]["eval/mean_reward"])
+    assert (broken / "training.png").exists() and any((broken / "tensorboard").iterdir())
