@@ -114,6 +114,9 @@ class TrainConfig:
                            "and max_steps).", ge=1)
     eval_tasks: int = knob(200, "Held-out (eval split) tasks per evaluation, the first ones of the "
                            "split (0 = all).", ge=0)
+    eval_split: Literal["eval", "validation"] = knob(
+        "eval", "Where evaluations run: the held-out eval split, or 'validation' = the last "
+        "eval_tasks training tasks, then left out of training (for tuning without touching eval).")
     save_every: int = knob(10, "Write a checkpoint every this many steps (and at the end).", ge=1)
     keep_checkpoints: int = knob(2, "Most recent checkpoints kept in the run folder.", ge=1)
     student: Literal["full", "lora"] = knob(

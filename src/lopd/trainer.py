@@ -267,9 +267,15 @@ class Trainer:
         self.dtype = runtime.resolve_dtype(cfg.run.dtype, self.device)
         self.env = get_env(cfg.env.name, **cfg.env.kwargs())
         train_tasks = self.env.tasks("train")
+        if cfg.train.eval_split == "validation":
+            n = cfg.train.eval_tasks or 200
+            if n >= len(train_tasks):
+                raise ConfigError(f"train.eval_tasks={n} validation tasks leave no training task "
+                                  f"of {len(train_tasks)}")
+            train_tasks, self.eval_tasks = train_tasks[:-n], train_tasks[-n:]
+        else:
+            self.eval_tasks = self.env.tasks("eval")[: cfg.train.eval_tasks or None]
         self.train_tasks = train_tasks
-        eval_tasks = self.env.tasks("eval")
-        self.eval_tasks = eval_tasks[: cfg.train.eval_tasks or None]
         student, tokenizer = self._load_student(checkpoint)
         updater = Updater(student.parameters(), cfg.train.learning_rate, cfg.train.max_grad_norm,
                           cfg.train.weight_decay)

@@ -1,0 +1,121 @@
+"""The shared loop's pieces that need no model: task sampling, the updater, the run folder."""
+
+import pytest
+import torch
+
+from lopd import trainer
+from lopd.config import load_config
+from lopd.envs import get_env
+
+
+@pytest.fixture(scope="module")
+def tasks():
+    return get_env("toolworld", seed=0, sizes={"train": 50, "eval": 4, "pretrain": 0}).tasks("train")
+
+
+def test_each_epoch_visits_every_task_once_and_steps_are_reproducible(tasks):
+    per_step = 10
+    first_epoch = [t.task_id for s in range(1, 6) for t in trainer.tasks_for_step(tasks, 3, s, per_step)]
+    assert sorted(first_epoch) == sorted(t.task_id for t in tasks)
+    again = [t.task_id for s in range(1, 6) for t in trainer.tasks_for_step(tasks, 3, s, per_step)]
+    assert again == first_epoch
+    other_seed = [t.task_id for t in trainer.tasks_for_step(tasks, 4, 1, per_step)]
+    assert other_seed != first_epoch[:per_step]
+    second_epoch = [t.task_id for s in range(6, 11) for t in trainer.tasks_for_step(tasks, 3, s, per_step)]
+    assert sorted(second_epoch) == sorted(first_epoch) and second_epoch != first_epoch
+
+
+def test_updater_skips_and_counts_non_finite_updates():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(3, 1)
+    updater = trainer.Updater(layer.parameters(), learning_rate=0.1, max_grad_norm=1.0)
+    before = [p.detach().clone() for p in layer.parameters()]
+    out = updater.apply(layer(torch.tensor([[float("nan"), 1.0, 1.0]])).sum())
+    assert out["skipped"] == 1.0 and updater.skipped == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, layer.parameters()))
+    assert not updater.optimizer.state  # AdamW's moments were never touched
+    out = updater.apply(layer(torch.ones(1, 3)).sum())
+    assert out["skipped"] == 0.0 and updater.skipped == 1
+    assert any(not torch.equal(a, b) for a, b in zip(before, layer.parameters()))
+    # The clip bounds the step: grad norm of sum(Wx + b) at x = 1 is 2 > 1.
+    assert out["grad_norm"] == pytest.approx(2.0)
+
+
+def test_updater_needs_trainable_parameters():
+    layer = torch.nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match="nothing to optimise"):
+        trainer.Updater(layer.parameters(), 0.1, 1.0)
+
+
+def test_half_written_checkpoints_are_never_listed(tmp_path):
+    folder = tmp_path / trainer.CHECKPOINTS
+    (folder / "step-000002").mkdir(parents=True)
+    (folder / ".step-000004.tmp").mkdir()
+    (folder / "step-000003").mkdir()
+    assert [p.name for p in trainer.checkpoints(tmp_path)] == ["step-000002", "step-000003"]
+
+
+def test_a_run_folder_is_never_overwritten_and_resume_needs_a_checkpoint(tmp_path):
+    from lopd.algorithms import get_algorithm
+
+    cfg = load_config("tiny")
+    (tmp_path / "run").mkdir()
+    trainer.write_config(cfg, tmp_path / "run" / trainer.CONFIG_FILE)
+    with pytest.raises(trainer.RunError, match="already holds a run"):
+        trainer.Trainer(cfg, tmp_path / "run", get_algorithm("lopd"))
+    with pytest.raises(trainer.RunError, match="no complete checkpoint"):
+        trainer.Trainer(cfg, tmp_path / "run", get_algorithm("lopd"), resume=True)
+    with pytest.raises(trainer.RunError, match="not a training run"):
+        trainer.read_config(tmp_path)
+
+
+def test_unknown_algorithm_is_named():
+    from lopd.algorithms import get_algorithm
+    from lopd.config import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown algorithm 'ppo'.*lopd"):
+        get_algorithm("ppo")
+
+
+def test_lopd_without_composer_or_bank_fails_before_training(tmp_path):
+    from lopd.algorithms import get_algorithm
+
+    cfg = load_config("tiny", ["env.train_size=20", "env.eval_size=2", "env.pretrain_size=0"])
+    with pytest.raises(ValueError, match="--composer DIR and --bank DIR"):
+        trainer.Trainer(cfg, tmp_path / "run", get_algorithm("lopd"), progress=False)
+    cfg = load_config("tiny", ["env.train_size=20", "env.eval_size=2", "env.pretrain_size=0",
+                               f"lopd.composer={tmp_path / 'nope'}", f"lopd.bank={tmp_path / 'nope'}"])
+    with pytest.raises(FileNotFoundError, match="lopd.composer"):
+        trainer.Trainer(cfg, tmp_path / "run2", get_algorithm("lopd"), progress=False)
+
+
+def test_validation_split_is_left_out_of_training(tmp_path, monkeypatch):
+    cfg = load_config("tiny", ["env.train_size=30", "env.eval_size=2", "env.pretrain_size=0",
+                               "train.eval_split=validation", "train.eval_tasks=5"])
+
+    class Stop(Exception):
+        pass
+
+    def stop(self, ctx, checkpoint):
+        raise Stop
+
+    monkeypatch.setattr(trainer.Algorithm, "__init__", stop)
+
+    class Probe(trainer.Algorithm):
+        def step(self, batch):
+            return {}
+
+    captured = {}
+    original = trainer.Trainer._load_student
+
+    def spy(self, checkpoint):
+        captured["train"], captured["eval"] = list(self.train_tasks), list(self.eval_tasks)
+        return original(self, checkpoint)
+
+    monkeypatch.setattr(trainer.Trainer, "_load_student", spy)
+    with pytest.raises(Stop):
+        trainer.Trainer(cfg, tmp_path / "run", Probe, progress=False)
+    train_ids = {t.task_id for t in captured["train"]}
+    eval_ids = {t.task_id for t in captured["eval"]}
+    assert len(train_ids) == 25 and len(eval_ids) == 5 and not train_ids & eval_ids
+    assert all(t.split == "train" for t in captured["eval"])
