@@ -171,3 +171,22 @@ def test_resume_after_kill_repeats_the_uninterrupted_run(inputs, tmp_path):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-4, abs=1e-6), (step, key)
     assert b[4]["eval/mean_reward"] == pytest.approx(a[4]["eval/mean_reward"])
     assert (broken / "training.png").exists() and any((broken / "tensorboard").iterdir())
+
+
+def test_lora_student_trains_only_its_adapter_and_checkpoints_a_loadable_model(inputs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    t = build(inputs, tmp_path / "run", **{"train.student": "lora", "train.learning_rate": 1e-3})
+    named = dict(t.ctx.student.named_parameters())
+    trainable = {k for k, p in named.items() if p.requires_grad}
+    assert trainable and all("lora_" in k for k in trainable)
+    before = {k: p.detach().clone() for k, p in named.items()}
+    t.algorithm.step(one_batch(t))
+    changed = {k for k, p in t.ctx.student.named_parameters() if not torch.equal(p, before[k])}
+    assert changed and changed <= trainable
+    folder = t.save_checkpoint(1)
+    merged = AutoModelForCausalLM.from_pretrained(folder / "student")
+    ids = torch.tensor([t.algorithm.fmt.header])
+    with torch.no_grad():
+        assert torch.allclose(merged(input_ids=ids).logits, t.ctx.student(input_ids=ids).logits,
+                              atol=1e-5)
