@@ -190,3 +190,24 @@ def test_lora_student_trains_only_its_adapter_and_checkpoints_a_loadable_model(i
     with torch.no_grad():
         assert torch.allclose(merged(input_ids=ids).logits, t.ctx.student(input_ids=ids).logits,
                               atol=1e-5)
+
+
+def test_grpo_step_changes_the_student_from_rewards_alone(inputs, tmp_path):
+    from lopd.algorithms import get_algorithm
+
+    cfg = config(inputs, **{"train.algorithm": "grpo", "train.learning_rate": 1e-3,
+                            "train.num_generations": 2, "train.num_iterations": 2,
+                            "train.beta": 0.1})
+    t = trainer.Trainer(cfg, tmp_path / "run", get_algorithm("grpo"), progress=False)
+    assert t.algorithm.group_size == 2
+    pair = trainer.tasks_for_step(t.train_tasks, 0, 1, 2)
+    # Each group: a junk rollout and the gold one, so the advantages are +-1.
+    junk = agent.run_episodes(t.env, pair, agent.RandomPolicy(seed=0), t.ctx.tokenizer, 3, 48, 2)
+    gold = agent.run_episodes(t.env, pair, agent.OraclePolicy(), t.ctx.tokenizer, 8, 96, 2)
+    batch = trainer.StepBatch(1, [pair[0], pair[0], pair[1], pair[1]],
+                              [junk[0], gold[0], junk[1], gold[1]])
+    assert [r.success for r in batch.rollouts] == [False, True, False, True]
+    before = {k: v.clone() for k, v in t.ctx.student.state_dict().items()}
+    figures = t.algorithm.step(batch)
+    assert figures["action_tokens"] > 0 and figures["kl_ref"] >= 0
+    assert any(not torch.equal(v, t.ctx.student.state_dict()[k]) for k, v in before.items())

@@ -124,3 +124,28 @@ def test_anchor_loss_and_dual_update():
     assert losses.dual_update(0.0, 0.05, 0.0, 0.5) == pytest.approx(0.025)
     assert losses.dual_update(0.1, 0.05, 0.5, 0.5) == 0.0
     assert losses.dual_update(0.3, 0.05, 0.15, 0.5) == pytest.approx(0.25)
+
+
+def test_group_advantages_hand_computed():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5])
+    adv = losses.group_advantages(rewards, 4)
+    # Group 1: mean 0.5, population std 0.5 -> +-0.5 / (0.5 + 1e-4). Group 2: identical -> 0.
+    one = 0.5 / (0.5 + 1e-4)
+    assert torch.allclose(adv, torch.tensor([one, -one, -one, one, 0.0, 0.0, 0.0, 0.0]))
+    with pytest.raises(ValueError, match="groups of 3"):
+        losses.group_advantages(rewards, 3)
+
+
+def test_ppo_clip_inside_and_outside_the_range():
+    old = torch.zeros(4)
+    # ratios 1.1 (inside), 1.5 (above), 0.5 (below), 0.5 (below, negative advantage)
+    new = torch.log(torch.tensor([1.1, 1.5, 0.5, 0.5]))
+    adv = torch.tensor([1.0, 1.0, 1.0, -1.0])
+    loss = losses.ppo_clip(new, old, adv, 0.2, 0.2)
+    # -min(r*A, clip(r)*A): 1.1 -> -1.1; 1.5 -> -1.2 (clipped); 0.5, A=1 -> -0.5 (unclipped is
+    # smaller); 0.5, A=-1 -> min(-0.5, -0.8) = -0.8 -> +0.8 (pessimistic clip).
+    assert torch.allclose(loss, torch.tensor([-1.1, -1.2, -0.5, 0.8]))
+    live = new.clone().requires_grad_(True)
+    losses.ppo_clip(live, old, adv, 0.2, 0.2).sum().backward()
+    # Clipped terms give no gradient.
+    assert live.grad[1] == 0 and live.grad[3] == 0 and live.grad[0] != 0 and live.grad[2] != 0

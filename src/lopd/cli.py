@@ -711,7 +711,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "steps, checkpoint every train.save_every steps. Writes config.yaml, "
                        "metrics.jsonl, eval.jsonl, TensorBoard events, checkpoints and "
                        "training.png into the run folder.")
-    p.add_argument("--algo", default="lopd", help="training algorithm (lopd)")
+    p.add_argument("--algo", default="lopd", choices=["lopd", "grpo"], help="training algorithm")
     p.add_argument("--out", help="new run folder")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
     p.add_argument("--composer", help="cold-started composer folder (LOPD; sets lopd.composer)")

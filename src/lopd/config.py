@@ -96,7 +96,7 @@ class RolloutConfig:
 class TrainConfig:
     """Optimisation settings shared by every training algorithm (same budget for all methods)."""
 
-    algorithm: Literal["lopd"] = knob("lopd", "Training algorithm (`lopd train --algo`).")
+    algorithm: Literal["lopd", "grpo"] = knob("lopd", "Training algorithm (`lopd train --algo`).")
     learning_rate: float = knob(1e-5, "AdamW learning rate of the student.", gt=0.0)
     max_grad_norm: float = knob(1.0, "Gradient-norm clip of the student update.", gt=0.0)
     weight_decay: float = knob(0.0, "AdamW weight decay.", ge=0.0)
@@ -106,6 +106,8 @@ class TrainConfig:
     max_steps: int = knob(50, "Training steps.", ge=1)
     beta: float = knob(0.0, "Coefficient of the KL-to-reference penalty (GRPO; 0 disables it).",
                        ge=0.0)
+    num_iterations: int = knob(1, "Policy updates per batch of rollouts (GRPO's μ); > 1 keeps the "
+                               "first pass's log-probs as the old policy.", ge=1)
     epsilon: float = knob(0.2, "Lower PPO clip range: ratios below 1 - epsilon are clipped.",
                           gt=0.0, lt=1.0)
     epsilon_high: float = knob(0.2, "Upper PPO clip range: ratios above 1 + epsilon_high are "

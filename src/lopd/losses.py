@@ -108,3 +108,25 @@ def anchor_loss(latents: torch.Tensor, anchor_latents: torch.Tensor) -> torch.Te
 def dual_update(beta: float, margin: float, delta: float, lr: float) -> float:
     """β ← max(0, β + η_β (m − Δ̄)): rises while the teacher's privilege is below the margin."""
     return max(0.0, beta + lr * (margin - delta))
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
+    """GRPO's advantages: each reward minus its group's mean, over the group's std (+ ``eps``).
+
+    ``rewards`` (R,) holds consecutive groups of ``group_size`` rollouts of the same task; a group
+    whose rewards are all equal gets advantage 0 everywhere.
+    """
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    groups = rewards.view(-1, group_size)
+    centred = groups - groups.mean(dim=1, keepdim=True)
+    std = groups.std(dim=1, keepdim=True, unbiased=False)
+    return (centred / (std + eps)).view(-1)
+
+
+def ppo_clip(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+             epsilon: float, epsilon_high: float) -> torch.Tensor:
+    """(N,) token-level PPO-clip loss: −min(ρ·A, clip(ρ, 1 − ε_lo, 1 + ε_hi)·A), ρ = π/π_old."""
+    ratio = torch.exp(logprobs - old_logprobs.detach())
+    clipped = ratio.clamp(1 - epsilon, 1 + epsilon_high)
+    return -torch.minimum(ratio * advantages, clipped * advantages)

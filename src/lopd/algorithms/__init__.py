@@ -7,6 +7,7 @@ import importlib
 # name -> "module:class"; imported on use, so `lopd --help` does not load torch.
 ALGORITHMS = {
     "lopd": "lopd.algorithms.lopd:LOPD",
+    "grpo": "lopd.algorithms.grpo:GRPO",
 }
 
 
