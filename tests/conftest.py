@@ -17,3 +17,29 @@ def tiny_tokenizer():
 @pytest.fixture(scope="session")
 def tiny_model(tiny_tokenizer):
     return models.build_model(tiny_tokenizer, preset="tiny", seed=0).eval()
+
+
+from lopd.config import ComposerConfig  # noqa: E402
+
+LOPD_SPEC = ComposerConfig(num_latents=4, depth=2, num_heads=4, max_experience_tokens=96)
+
+
+def make_lopd_inputs(root):
+    """A bank of oracle successes on 40 training tasks and an (untrained) composer folder under
+    ``root``: the inputs of a tiny LOPD run."""
+    from lopd import agent
+    from lopd.composer import Composer
+    from lopd.envs import get_env
+    from lopd.experience import EmbedderSpec, ExperienceBank, load_embedder
+
+    model, tokenizer = models.load_model("tiny")
+    env = get_env("toolworld", seed=0, sizes={"train": 40, "eval": 4, "pretrain": 0})
+    tasks = env.tasks("train")
+    rollouts = agent.run_episodes(env, tasks, agent.OraclePolicy(), tokenizer, max_turns=8,
+                                  max_new_tokens=96, batch_size=40)
+    with ExperienceBank.create(root / "bank", load_embedder(EmbedderSpec(kind="policy",
+                                                                         path="tiny"))) as bank:
+        bank.add_rollouts(rollouts, {t.task_id: t for t in tasks}, source="oracle")
+    torch.manual_seed(0)
+    Composer(model.eval(), tokenizer, LOPD_SPEC).save(root / "composer")
+    return root

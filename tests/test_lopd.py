@@ -12,31 +12,16 @@ import pytest
 import torch
 import yaml
 
+from conftest import LOPD_SPEC as SPEC
+from conftest import make_lopd_inputs
 from lopd import agent, models, trainer
 from lopd.composer import Composer
-from lopd.config import ComposerConfig, load_config
-from lopd.envs import get_env
-from lopd.experience import EmbedderSpec, ExperienceBank, load_embedder
-
-SPEC = ComposerConfig(num_latents=4, depth=2, num_heads=4, max_experience_tokens=96)
-SIZES = {"train": 40, "eval": 4, "pretrain": 0}
+from lopd.config import load_config
 
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
-    """A bank of oracle successes on 40 training tasks and an (untrained) composer folder."""
-    root = tmp_path_factory.mktemp("lopd-inputs")
-    model, tokenizer = models.load_model("tiny")
-    env = get_env("toolworld", seed=0, sizes=SIZES)
-    tasks = env.tasks("train")
-    rollouts = agent.run_episodes(env, tasks, agent.OraclePolicy(), tokenizer, max_turns=8,
-                                  max_new_tokens=96, batch_size=40)
-    with ExperienceBank.create(root / "bank", load_embedder(EmbedderSpec(kind="policy",
-                                                                         path="tiny"))) as bank:
-        bank.add_rollouts(rollouts, {t.task_id: t for t in tasks}, source="oracle")
-    torch.manual_seed(0)
-    Composer(model.eval(), tokenizer, SPEC).save(root / "composer")
-    return root
+    return make_lopd_inputs(tmp_path_factory.mktemp("lopd-inputs"))
 
 
 def config(inputs, **sets):

@@ -634,6 +634,63 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_compare(args) -> int:
+    from lopd.experiments.compare import compare
+
+    algos = [a.strip() for a in args.algos.split(",") if a.strip()]
+    allowed = {"base", "lopd", "grpo"}
+    if not algos or set(algos) - allowed:
+        raise ValueError(f"--algos {args.algos!r}: choose from {sorted(allowed)}")
+    if args.seeds < 1:
+        raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
+    rates = {}
+    for item in args.lr:
+        algo, _, value = item.partition("=")
+        try:
+            rates[algo] = float(value)
+        except ValueError:
+            raise ValueError(f"--lr {item!r}: expected ALGO=RATE, e.g. grpo=1e-4") from None
+    overrides = list(args.overrides)
+    if args.composer:
+        overrides.append(f"lopd.composer={args.composer}")
+    if args.bank:
+        overrides.append(f"lopd.bank={args.bank}")
+    load_config(args.config, overrides)  # fail on a bad key before any run starts
+    out = Path(args.out)
+    report = compare(args.config, overrides, algos, args.seeds, out, rates)
+    print((out / "results.md").read_text())
+    print(f"figures: {out / 'reward_vs_generations.png'}; all numbers: {out / 'results.json'}")
+    write_json(args.json_path, report)
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    from lopd.experiments.compare import sweep
+
+    try:
+        rates = [float(x) for x in args.lrs.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--lrs {args.lrs!r}: expected comma-separated numbers") from None
+    if not rates:
+        raise ValueError("--lrs needs at least one learning rate")
+    overrides = list(args.overrides)
+    if args.composer:
+        overrides.append(f"lopd.composer={args.composer}")
+    if args.bank:
+        overrides.append(f"lopd.bank={args.bank}")
+    load_config(args.config, overrides)
+    report = sweep(args.config, overrides, args.algo, rates, args.steps, args.validation_tasks,
+                   Path(args.out))
+    rows = [[r["learning_rate"], r["validation_mean_reward"], r["validation_success_rate"]]
+            for r in report["runs"]]
+    print(format_table(["learning rate", "validation mean reward", "validation success"], rows,
+                       title=f"{args.algo} sweep ({args.steps} steps, {args.validation_tasks} "
+                       f"validation tasks from the training split): best "
+                       f"{report['best_learning_rate']:g}"))
+    write_json(args.json_path, report)
+    return 0
+
+
 # ----------------------------------------------------------------------------------------------
 # Parser
 
@@ -719,6 +776,38 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     _add_json_arg(p)
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("compare", help="algorithms x seeds side by side (table, curves, ratio)",
+                       description="Train every algorithm with every seed on the same task stream, "
+                       "rollout budget and evaluation schedule; write results.json, results.md and "
+                       "reward_vs_generations.png. Finished runs are reused, interrupted ones "
+                       "resumed.")
+    p.add_argument("--algos", default="base,grpo,lopd", help="comma-separated: base, grpo, lopd")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--out", required=True, help="folder of the comparison")
+    p.add_argument("--lr", action="append", default=[], metavar="ALGO=RATE",
+                   help="learning rate of one algorithm (its best from the validation sweep)")
+    p.add_argument("--composer", help="cold-started composer folder (LOPD)")
+    p.add_argument("--bank", help="experience bank folder (LOPD)")
+    _add_config_args(p)
+    _add_json_arg(p)
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("sweep", help="learning-rate sweep on a validation split of training tasks",
+                       description="One run per learning rate, evaluated on the last "
+                       "--validation-tasks training tasks (left out of training), never on the "
+                       "eval split; prints the table and the best rate. Give every algorithm of a "
+                       "comparison the same grid and steps.")
+    p.add_argument("--algo", required=True, choices=["lopd", "grpo"])
+    p.add_argument("--lrs", default="3e-5,1e-4,3e-4", help="comma-separated learning rates")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--validation-tasks", type=int, default=100)
+    p.add_argument("--out", required=True)
+    p.add_argument("--composer", help="cold-started composer folder (LOPD)")
+    p.add_argument("--bank", help="experience bank folder (LOPD)")
+    _add_config_args(p)
+    _add_json_arg(p)
+    p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser("base", help="build the vanilla base model (tokenizer, Qwen3, SFT)",
                        description="Train a tokenizer on environment transcripts, build the Qwen3 "

@@ -1,0 +1,1 @@
+"""Experiments of the paper as functions behind `lopd` commands."""

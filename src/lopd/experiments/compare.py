@@ -1,0 +1,202 @@
+"""Methods side by side: every algorithm × seed on the same task stream, budget and evaluation.
+
+``base`` is the untrained model, evaluated once on the held-out tasks (evaluation is greedy, so
+every seed gives the same figure; its spread is 0 by construction). Every other algorithm trains
+one run per seed in ``OUT/ALGO/seedS`` with the same config apart from ``run.seed`` and
+``train.algorithm`` (and a per-algorithm learning rate when given); finished runs are reused and
+interrupted ones resumed, so an interrupted compare continues where it stopped.
+
+Outputs in ``OUT``: ``results.json``, ``results.md`` (final held-out mean reward and success rate,
+mean ± std over seeds) and ``reward_vs_generations.png`` (held-out reward against rollouts used,
+mean over seeds with the min-max band). The *rollout ratio* is the generations LOPD needs before its
+seed-mean held-out reward first reaches GRPO's final seed-mean, divided by GRPO's total generations
+(the paper reports < 0.30); it is None when LOPD never reaches it.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from lopd.config import Config, load_config
+from lopd.trainer import EVAL_FILE, checkpoints, train
+
+BASE = "base"
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), statistics.pstdev(values) if len(values) > 1 else 0.0
+
+
+def _evals(run_dir: Path) -> list[dict]:
+    path = run_dir / EVAL_FILE
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _finished(run_dir: Path, max_steps: int) -> bool:
+    return any(r["step"] == max_steps for r in _evals(run_dir))
+
+
+def run_config(config: str | Path, overrides: list[str], algo: str, seed: int,
+               learning_rates: dict[str, float]) -> Config:
+    sets = [*overrides, f"run.seed={seed}", f"train.algorithm={algo}"]
+    if algo in learning_rates:
+        sets.append(f"train.learning_rate={learning_rates[algo]}")
+    return load_config(config, sets)
+
+
+def evaluate_base(cfg: Config, out: Path) -> dict:
+    """Greedy held-out evaluation of the untrained model (cached in ``out/base/eval.json``)."""
+    from lopd import agent, models, runtime
+    from lopd.envs import get_env
+    from lopd.rollout import SamplingParams, TransformersEngine
+
+    path = out / BASE / "eval.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    device = runtime.setup(cfg.run)
+    model, tokenizer = models.load_model(cfg.model.name_or_path, device=device,
+                                         dtype=runtime.resolve_dtype(cfg.run.dtype, device))
+    env = get_env(cfg.env.name, **cfg.env.kwargs())
+    tasks = env.tasks("eval")[: cfg.train.eval_tasks or None]
+    params = SamplingParams(temperature=cfg.rollout.eval_temperature, top_p=cfg.rollout.top_p,
+                            top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_completion_length)
+    policy = agent.ModelPolicy(TransformersEngine(model.eval(), tokenizer), tokenizer, params)
+    rollouts = agent.run_episodes(env, tasks, policy, tokenizer, cfg.rollout.max_turns,
+                                  cfg.rollout.max_completion_length, cfg.rollout.batch_size,
+                                  progress=True)
+    summary = agent.summarize(rollouts)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def compare(config: str | Path, overrides: list[str], algos: list[str], seeds: int, out: Path,
+            learning_rates: dict[str, float] | None = None) -> dict:
+    learning_rates = learning_rates or {}
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict] = {}
+    curves: dict[str, list[list[dict]]] = {}
+    for algo in algos:
+        if algo == BASE:
+            summary = evaluate_base(run_config(config, overrides, "lopd", 0, {}), out)
+            results[BASE] = {"mean_reward": [summary["mean_reward"]] * seeds,
+                             "success_rate": [summary["success_rate"]] * seeds,
+                             "generations": 0}
+            continue
+        per_seed = []
+        for seed in range(seeds):
+            cfg = run_config(config, overrides, algo, seed, learning_rates)
+            run_dir = out / algo / f"seed{seed}"
+            if not _finished(run_dir, cfg.train.max_steps):
+                train(cfg, run_dir, algo, resume=bool(checkpoints(run_dir)))
+            per_seed.append(_evals(run_dir))
+        curves[algo] = per_seed
+        finals = [evals[-1] for evals in per_seed]
+        results[algo] = {"mean_reward": [f["mean_reward"] for f in finals],
+                         "success_rate": [f["success_rate"] for f in finals],
+                         "generations": finals[0]["generations"],
+                         "learning_rate": run_config(config, overrides, algo, 0,
+                                                     learning_rates).train.learning_rate}
+    table = {algo: {"mean_reward": _mean_std(r["mean_reward"]),
+                    "success_rate": _mean_std(r["success_rate"]),
+                    "generations": r["generations"], "learning_rate": r.get("learning_rate")}
+             for algo, r in results.items()}
+    ratio = rollout_ratio(curves)
+    report = {"seeds": seeds, "algos": algos, "per_seed": results, "summary": table,
+              "rollout_ratio": ratio, "config": str(config), "overrides": overrides}
+    (out / "results.json").write_text(json.dumps(report, indent=1))
+    (out / "results.md").write_text(markdown(table, seeds, ratio))
+    plot(curves, results, out / "reward_vs_generations.png")
+    return report
+
+
+def _mean_curve(per_seed: list[list[dict]]) -> list[tuple[int, float]]:
+    """Seed-mean held-out reward at each evaluation (all seeds share the schedule)."""
+    length = min(len(evals) for evals in per_seed)
+    return [(per_seed[0][i]["generations"],
+             statistics.fmean(evals[i]["mean_reward"] for evals in per_seed)) for i in range(length)]
+
+
+def rollout_ratio(curves: dict[str, list[list[dict]]]) -> float | None:
+    if "lopd" not in curves or "grpo" not in curves:
+        return None
+    grpo = _mean_curve(curves["grpo"])
+    target, total = grpo[-1][1], grpo[-1][0]
+    for generations, reward in _mean_curve(curves["lopd"]):
+        if reward >= target:
+            return generations / total
+    return None
+
+
+def markdown(table: dict, seeds: int, ratio: float | None) -> str:
+    lines = [f"| method | held-out mean reward | held-out success rate | rollouts | lr |",
+             "| --- | --- | --- | --- | --- |"]
+    for algo, row in table.items():
+        (rm, rs), (sm, ss) = row["mean_reward"], row["success_rate"]
+        lr = f"{row['learning_rate']:g}" if row["learning_rate"] else "-"
+        lines.append(f"| {algo} | {rm:.4f} ± {rs:.4f} | {sm:.4f} ± {ss:.4f} | "
+                     f"{row['generations']} | {lr} |")
+    lines.append("")
+    lines.append(f"Mean ± population std over {seeds} seeds (base: greedy, identical per seed).")
+    if ratio is not None:
+        lines.append(f"Rollout ratio (LOPD generations to reach GRPO's final reward / GRPO's "
+                     f"generations): {ratio:.3f}")
+    else:
+        lines.append("Rollout ratio: not defined (LOPD never reached GRPO's final reward, or one "
+                     "of them was not run).")
+    return "\n".join(lines) + "\n"
+
+
+def plot(curves: dict[str, list[list[dict]]], results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for algo, per_seed in curves.items():
+        length = min(len(e) for e in per_seed)
+        xs = [per_seed[0][i]["generations"] for i in range(length)]
+        values = [[e[i]["mean_reward"] for e in per_seed] for i in range(length)]
+        ax.plot(xs, [statistics.fmean(v) for v in values], marker="o", ms=3, label=algo)
+        ax.fill_between(xs, [min(v) for v in values], [max(v) for v in values], alpha=0.2)
+    if BASE in results:
+        ax.axhline(results[BASE]["mean_reward"][0], color="grey", ls="--", label="base")
+    ax.set_xlabel("generations (training rollouts)")
+    ax.set_ylabel("held-out mean reward")
+    ax.set_title("held-out reward vs. rollouts (mean over seeds, min-max band)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def sweep(config: str | Path, overrides: list[str], algo: str, learning_rates: list[float],
+          steps: int, validation_tasks: int, out: Path) -> dict:
+    """The fair-tuning sweep: one run per learning rate, evaluated on a validation split drawn from
+    the *training* tasks (never the eval split); the best final validation mean reward wins.
+
+    Every algorithm of a comparison should get the same grid, steps and validation tasks.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for rate in learning_rates:
+        sets = [*overrides, f"train.algorithm={algo}", f"train.learning_rate={rate}",
+                f"train.max_steps={steps}", f"train.eval_every={steps}",
+                "train.eval_split=validation", f"train.eval_tasks={validation_tasks}"]
+        cfg = load_config(config, sets)
+        run_dir = out / f"{algo}-lr{rate:g}"
+        if not _finished(run_dir, steps):
+            train(cfg, run_dir, algo, resume=bool(checkpoints(run_dir)))
+        final = _evals(run_dir)[-1]
+        rows.append({"learning_rate": rate, "validation_mean_reward": final["mean_reward"],
+                     "validation_success_rate": final["success_rate"]})
+    best = max(rows, key=lambda r: r["validation_mean_reward"])
+    report = {"algo": algo, "steps": steps, "validation_tasks": validation_tasks, "runs": rows,
+              "best_learning_rate": best["learning_rate"]}
+    (out / f"sweep-{algo}.json").write_text(json.dumps(report, indent=1))
+    return report
