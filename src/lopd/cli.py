@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -110,108 +109,18 @@ def cmd_config(args) -> int:
 
 
 def cmd_quickstart(args) -> int:
-    from lopd import agent, models, runtime
-    from lopd.envs import get_env
+    from lopd.experiments import quickstart
 
     cfg = load_config(args.config, args.overrides)
-    device = runtime.setup(cfg.run)
-    out = Path(cfg.run.output_dir) / "quickstart"
-    out.mkdir(parents=True, exist_ok=True)
-    print(f"lopd {__version__} quickstart -> {out}\n")
-
-    info = models.model_info(cfg.model.name_or_path)
-    print(key_value_table({k: info[k] for k in ("path", "architecture", "parameters", "hidden_size",
-                                                "num_hidden_layers", "vocab_size")},
-                          title="1. base model (the embedded default, built by `lopd base`)"))
-
-    env = get_env(cfg.env.name, **cfg.env.kwargs())
-    splits = {split: len(env.tasks(split)) for split in ("train", "eval")}
-    print(f"\n2. {cfg.env.name}: {splits['train']} training tasks, {splits['eval']} held-out tasks")
-
-    eval_tasks = env.tasks("eval")
-    _, tokenizer = _make_policy("oracle", cfg.model.name_or_path, cfg, device)
-    oracle = agent.summarize(_run(env, eval_tasks, agent.OraclePolicy(), tokenizer, cfg, False))
-    print(f"\n3. harness check: the oracle scores mean reward {oracle['mean_reward']:.3f}, "
-          f"success {oracle['success_rate']:.3f} on the held-out tasks")
-
-    policy, tokenizer = _make_policy("model", cfg.model.name_or_path, cfg, device)
-    start = time.perf_counter()
-    rollouts = _run(env, eval_tasks, policy, tokenizer, cfg, True)
-    summary = agent.summarize(rollouts)
-    _write_episodes(out / "base_eval_episodes.jsonl", rollouts)
-    print()
-    print(format_table(["domain", "episodes", "mean reward", "success rate"], _eval_rows(summary),
-                       title=f"4. base model on the held-out tasks "
-                       f"({time.perf_counter() - start:.0f}s; episodes in {out}/base_eval_episodes.jsonl)"))
-
-    lopd = _quickstart_lopd(cfg, env, device, out, summary, args.bank_tasks, args.cold_start_steps,
-                            args.lopd_steps)
-
+    print(f"lopd {__version__} quickstart -> {Path(cfg.run.output_dir) / 'quickstart'}\n")
+    figures = quickstart.run(cfg, args.bank_tasks, args.cold_start_steps, args.lopd_steps,
+                             fresh=args.fresh)
     stages = [[stage, "available" if _module_exists(module) else "not built yet", command]
               for stage, module, command in PIPELINE]
     print()
     print(format_table(["pipeline stage", "status", "command"], stages, title="pipeline"))
-    figures = {"model": info, "tasks": splits, "oracle": oracle, "base_eval": summary, "lopd": lopd,
-               "stages": {stage: status for stage, status, _ in stages}}
-    write_json(out / "summary.json", figures)
     write_json(args.json_path, figures)
     return 0
-
-
-def _quickstart_lopd(cfg, env, device, out: Path, base_summary: dict, bank_tasks: int,
-                     cold_start_steps: int, lopd_steps: int) -> dict:
-    """Stages 5-7 of the quickstart, scaled down: bank, composer cold start, a few LOPD steps.
-
-    The quickstart's own folders (bank, composer, run) are replaced on every run.
-    """
-    from dataclasses import replace
-
-    from lopd import models, trainer
-    from lopd.algorithms import cold_start as cs
-    from lopd.composer import Composer
-    from lopd.experience import ExperienceBank
-
-    for name in ("bank", "composer", "lopd"):
-        shutil.rmtree(out / name, ignore_errors=True)
-    tasks = env.tasks("train")[:bank_tasks]
-    policy, tokenizer = _make_policy("model", cfg.model.name_or_path, cfg, device,
-                                     temperature=cfg.rollout.temperature)
-    start = time.perf_counter()
-    rollouts = _run(env, tasks, policy, tokenizer, cfg, True)
-    with ExperienceBank.create(out / "bank", _quickstart_embedder(cfg, device),
-                               cfg.bank.reward_threshold, cfg.bank.max_observation_chars) as bank:
-        bank.add_rollouts(rollouts, {t.task_id: t for t in tasks}, source="model:quickstart")
-        print(f"\n5. experience bank: {len(bank)} successes of {len(rollouts)} sampled rollouts on "
-              f"training tasks ({time.perf_counter() - start:.0f}s) -> {out / 'bank'}")
-        model, _ = models.load_model(cfg.model.name_or_path, device=device)
-        composer = Composer(model.eval(), tokenizer, cfg.composer)
-        start = time.perf_counter()
-        history = cs.cold_start(composer, bank, bank.stored_rollouts(),
-                                replace(cfg.cold_start, max_steps=cold_start_steps), cfg.bank.n_ret,
-                                seed=cfg.run.seed)
-        composer.save(out / "composer")
-    print(f"\n6. composer cold start: {len(history)} steps, teacher NLL {history[0]['nll']:.3f} -> "
-          f"{history[-1]['nll']:.3f} ({time.perf_counter() - start:.0f}s) -> {out / 'composer'}")
-    run_cfg = replace(cfg, train=replace(cfg.train, max_steps=lopd_steps, eval_every=lopd_steps,
-                                         save_every=lopd_steps, rollouts_per_step=16),
-                      lopd=replace(cfg.lopd, composer=str(out / "composer"), bank=str(out / "bank")))
-    start = time.perf_counter()
-    last = trainer.train(run_cfg, out / "lopd", "lopd")
-    print(f"\n7. LOPD: {lopd_steps} steps of 16 rollouts ({time.perf_counter() - start:.0f}s): "
-          f"held-out mean reward {base_summary['mean_reward']:.3f} -> {last['eval/mean_reward']:.3f}, "
-          f"success {base_summary['success_rate']:.3f} -> {last['eval/success_rate']:.3f} "
-          f"(a demo, not a result: see the README for the measured comparison); "
-          f"plots {out / 'lopd' / trainer.PLOT_FILE}")
-    return {"bank_entries": len(rollouts), "cold_start_steps": len(history),
-            "lopd_steps": lopd_steps, "eval_mean_reward": last["eval/mean_reward"],
-            "eval_success_rate": last["eval/success_rate"]}
-
-
-def _quickstart_embedder(cfg, device):
-    from lopd.experience import load_embedder, spec_from_config
-
-    return load_embedder(spec_from_config(cfg.bank, cfg.model.name_or_path),
-                         batch_size=cfg.bank.embed_batch_size, device=device)
 
 
 def _run(env, tasks, policy, tokenizer, cfg, progress: bool):
@@ -702,14 +611,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("quickstart", help="run the pipeline on the embedded tiny default",
-                       description="Run every pipeline stage that exists on the tiny default model, "
-                       "scaled down to minutes: harness check, base evaluation, a bank from the "
-                       "base's rollouts, a short composer cold start and a few LOPD steps. Writes "
-                       "into RUN.output_dir/quickstart (replaced on every run).")
-    p.add_argument("--bank-tasks", type=int, default=300,
+                       description="The whole pipeline on the tiny default model, scaled down to "
+                       "minutes: harness check, base evaluation, a bank from the base's rollouts, "
+                       "the composer's cold start, a few LOPD steps, and a report (report.md, "
+                       "reward curve) in RUN.output_dir/quickstart. A re-run reuses finished "
+                       "stages.")
+    p.add_argument("--bank-tasks", type=int, default=600,
                    help="training tasks the base rolls out on to fill the demo bank")
-    p.add_argument("--cold-start-steps", type=int, default=40, help="composer cold-start steps")
-    p.add_argument("--lopd-steps", type=int, default=4, help="LOPD steps (16 rollouts each)")
+    p.add_argument("--cold-start-steps", type=int, default=60, help="composer cold-start steps")
+    p.add_argument("--lopd-steps", type=int, default=8, help="LOPD steps (train.rollouts_per_step each)")
+    p.add_argument("--fresh", action="store_true", help="redo every stage instead of reusing them")
     _add_config_args(p)
     _add_json_arg(p)
     p.set_defaults(func=cmd_quickstart)

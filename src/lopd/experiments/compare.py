@@ -40,6 +40,24 @@ def _finished(run_dir: Path, max_steps: int) -> bool:
     return any(r["step"] == max_steps for r in _evals(run_dir))
 
 
+def _train_or_reuse(cfg: Config, run_dir: Path, algo: str) -> None:
+    """Train ``run_dir`` to the end, resuming it if it has a checkpoint; a finished run is reused.
+
+    A run folder made with a different config is never reused or resumed: that would mix runs.
+    """
+    import yaml
+
+    from lopd.trainer import CONFIG_FILE
+
+    saved = run_dir / CONFIG_FILE
+    if saved.exists() and yaml.safe_load(saved.read_text()) != yaml.safe_load(
+            yaml.safe_dump(cfg.to_dict(), sort_keys=False)):
+        raise ValueError(f"{run_dir} holds a run with a different config than this comparison "
+                         "asks for; move it away or use another --out")
+    if not _finished(run_dir, cfg.train.max_steps):
+        train(cfg, run_dir, algo, resume=bool(checkpoints(run_dir)))
+
+
 def run_config(config: str | Path, overrides: list[str], algo: str, seed: int,
                learning_rates: dict[str, float]) -> Config:
     sets = [*overrides, f"run.seed={seed}", f"train.algorithm={algo}"]
@@ -91,8 +109,7 @@ def compare(config: str | Path, overrides: list[str], algos: list[str], seeds: i
         for seed in range(seeds):
             cfg = run_config(config, overrides, algo, seed, learning_rates)
             run_dir = out / algo / f"seed{seed}"
-            if not _finished(run_dir, cfg.train.max_steps):
-                train(cfg, run_dir, algo, resume=bool(checkpoints(run_dir)))
+            _train_or_reuse(cfg, run_dir, algo)
             per_seed.append(_evals(run_dir))
         curves[algo] = per_seed
         finals = [evals[-1] for evals in per_seed]
@@ -133,7 +150,7 @@ def rollout_ratio(curves: dict[str, list[list[dict]]]) -> float | None:
 
 
 def markdown(table: dict, seeds: int, ratio: float | None) -> str:
-    lines = [f"| method | held-out mean reward | held-out success rate | rollouts | lr |",
+    lines = ["| method | held-out mean reward | held-out success rate | rollouts | lr |",
              "| --- | --- | --- | --- | --- |"]
     for algo, row in table.items():
         (rm, rs), (sm, ss) = row["mean_reward"], row["success_rate"]
@@ -190,8 +207,7 @@ def sweep(config: str | Path, overrides: list[str], algo: str, learning_rates: l
                 "train.eval_split=validation", f"train.eval_tasks={validation_tasks}"]
         cfg = load_config(config, sets)
         run_dir = out / f"{algo}-lr{rate:g}"
-        if not _finished(run_dir, steps):
-            train(cfg, run_dir, algo, resume=bool(checkpoints(run_dir)))
+        _train_or_reuse(cfg, run_dir, algo)
         final = _evals(run_dir)[-1]
         rows.append({"learning_rate": rate, "validation_mean_reward": final["mean_reward"],
                      "validation_success_rate": final["success_rate"]})
