@@ -3,8 +3,9 @@
 Stages, each written into ``OUT`` (``run.output_dir/quickstart``) and reused when a re-run finds it
 finished (``--fresh`` redoes everything):
 
-1. the base model — the embedded default, built by ``lopd base`` (its training log ships beside it;
-   rebuilding it takes ~2 minutes on one GPU and hours on this CPU, so the quickstart does not);
+1. the base model — by default the embedded one, built by ``lopd base`` (its training log ships
+   beside it); with ``build_base`` the quickstart builds it here with the config's ``base`` recipe
+   (tokenizer, Qwen3, SFT) and uses that instead: ~2 minutes on one GPU, hours on a 2-core CPU;
 2. the environment's splits;
 3. harness check: the oracle replays the gold solution of every held-out task;
 4. the base model on the held-out tasks (greedy);
@@ -45,7 +46,7 @@ def _rows(summary: dict) -> list[list]:
 
 
 def run(cfg: Config, bank_tasks: int = 600, cold_start_steps: int = 60, lopd_steps: int = 8,
-        fresh: bool = False) -> dict:
+        fresh: bool = False, build_base: bool = False) -> dict:
     from lopd import agent, models, runtime, trainer
     from lopd.envs import get_env
     from lopd.experiments.compare import _train_or_reuse
@@ -59,10 +60,20 @@ def run(cfg: Config, bank_tasks: int = 600, cold_start_steps: int = 60, lopd_ste
     dtype = runtime.resolve_dtype(cfg.run.dtype, device)
     started = time.perf_counter()
 
+    if build_base:
+        base_dir = out / "base"
+        if not _done(base_dir):
+            from lopd.base import build_base as build
+
+            shutil.rmtree(base_dir, ignore_errors=True)
+            _mark_done(base_dir, build(cfg, base_dir))
+        cfg = replace(cfg, model=replace(cfg.model, name_or_path=str(base_dir)))
+        title = f"1. base model (built here by the `lopd base` recipe -> {base_dir})"
+    else:
+        title = "1. base model (the embedded default, built by `lopd base`; --build-base rebuilds it)"
     info = models.model_info(cfg.model.name_or_path)
     print(key_value_table({k: info[k] for k in ("path", "architecture", "parameters", "hidden_size",
-                                                "num_hidden_layers", "vocab_size")},
-                          title="1. base model (the embedded default, built by `lopd base`)"))
+                                                "num_hidden_layers", "vocab_size")}, title=title))
 
     env = get_env(cfg.env.name, **cfg.env.kwargs())
     eval_tasks = env.tasks("eval")[: cfg.train.eval_tasks or None]
@@ -128,8 +139,10 @@ def run(cfg: Config, bank_tasks: int = 600, cold_start_steps: int = 60, lopd_ste
                         "steps": lopd_steps, "generations": final["generations"]},
                "bank": bank_figures, "cold_start": cold, "minutes": round(minutes, 1)}
     (out / "summary.json").write_text(json.dumps(figures, indent=1))
-    print(f"\n8. report: {out / 'report.md'} (reward curve {out / 'lopd' / trainer.PLOT_FILE}); "
-          f"{minutes:.1f} minutes")
+    print(f"\n8. report: {out / 'report.md'} (reward curve {out / 'lopd' / trainer.PLOT_FILE}), "
+          f"{minutes:.1f} minutes.\n   held-out mean reward: base {base['mean_reward']:.4f} -> LOPD "
+          f"{final['mean_reward']:.4f}; success: base {base['success_rate']:.3f} -> LOPD "
+          f"{final['success_rate']:.3f}")
     return figures
 
 
@@ -161,6 +174,11 @@ def _cold_start_stage(cfg, bank_dir: Path, composer_dir: Path, steps: int, devic
     base, tokenizer = models.load_model(cfg.model.name_or_path, device=device, dtype=dtype)
     composer = Composer(base.eval(), tokenizer, cfg.composer)
     with ExperienceBank.open(bank_dir, batch_size=cfg.bank.embed_batch_size, device=device) as bank:
+        if len(bank) <= cfg.bank.n_ret:
+            raise ValueError(f"the base solved {len(bank)} of the training tasks rolled out for the "
+                             f"bank; the cold start needs more than bank.n_ret={cfg.bank.n_ret} "
+                             "successes. Use a stronger base (a longer `lopd base` run) or more "
+                             "--bank-tasks")
         history = cs.cold_start(composer, bank, bank.stored_rollouts(),
                                 replace(cfg.cold_start, max_steps=steps), cfg.bank.n_ret,
                                 seed=cfg.run.seed)
