@@ -51,6 +51,12 @@ def test_a_tiny_comparison_runs_and_reuses_finished_runs(tmp_path, monkeypatch):
     assert report["summary"]["base"]["mean_reward"][1] == 0.0
     for name in ("results.json", "results.md", "reward_vs_generations.png"):
         assert (out / name).exists()
+    # The same comparison with runs trained two at a time in subprocesses gives the same numbers.
+    parallel = cmp.compare("tiny", sets, ["base", "grpo", "lopd"], 2, tmp_path / "par",
+                           {"grpo": 3e-4}, jobs=2)
+    for algo in ("grpo", "lopd"):
+        for key in ("mean_reward", "success_rate"):
+            assert parallel["per_seed"][algo][key] == pytest.approx(report["per_seed"][algo][key])
     # A second compare reuses every finished run instead of training again.
     monkeypatch.setattr(cmp, "train", lambda *a, **k: pytest.fail("should reuse the finished run"))
     again = cmp.compare("tiny", sets, ["base", "grpo", "lopd"], 2, out, {"grpo": 3e-4})

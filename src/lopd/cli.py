@@ -540,7 +540,9 @@ def cmd_compare(args) -> int:
         overrides.append(f"lopd.bank={args.bank}")
     load_config(args.config, overrides)  # fail on a bad key before any run starts
     out = Path(args.out)
-    report = compare(args.config, overrides, algos, args.seeds, out, rates)
+    if args.jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+    report = compare(args.config, overrides, algos, args.seeds, out, rates, jobs=args.jobs)
     print((out / "results.md").read_text())
     print(f"figures: {out / 'reward_vs_generations.png'}; all numbers: {out / 'results.json'}")
     write_json(args.json_path, report)
@@ -672,6 +674,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "resumed.")
     p.add_argument("--algos", default="base,grpo,lopd", help="comma-separated: base, grpo, lopd")
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--jobs", type=int, default=1,
+                   help="training runs at once, as separate processes (e.g. one per core)")
     p.add_argument("--out", required=True, help="folder of the comparison")
     p.add_argument("--lr", action="append", default=[], metavar="ALGO=RATE",
                    help="learning rate of one algorithm (its best from the validation sweep)")

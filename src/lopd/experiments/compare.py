@@ -40,11 +40,8 @@ def _finished(run_dir: Path, max_steps: int) -> bool:
     return any(r["step"] == max_steps for r in _evals(run_dir))
 
 
-def _train_or_reuse(cfg: Config, run_dir: Path, algo: str) -> None:
-    """Train ``run_dir`` to the end, resuming it if it has a checkpoint; a finished run is reused.
-
-    A run folder made with a different config is never reused or resumed: that would mix runs.
-    """
+def _check_reusable(cfg: Config, run_dir: Path) -> None:
+    """A run folder made with a different config is never reused or resumed: that would mix runs."""
     import yaml
 
     from lopd.trainer import CONFIG_FILE
@@ -54,8 +51,59 @@ def _train_or_reuse(cfg: Config, run_dir: Path, algo: str) -> None:
             yaml.safe_dump(cfg.to_dict(), sort_keys=False)):
         raise ValueError(f"{run_dir} holds a run with a different config than this comparison "
                          "asks for; move it away or use another --out")
+
+
+def _train_or_reuse(cfg: Config, run_dir: Path, algo: str) -> None:
+    """Train ``run_dir`` to the end, resuming it if it has a checkpoint; a finished run is reused."""
+    _check_reusable(cfg, run_dir)
     if not _finished(run_dir, cfg.train.max_steps):
         train(cfg, run_dir, algo, resume=bool(checkpoints(run_dir)))
+
+
+def _train_in_parallel(jobs: list[tuple[Config, Path, str]], workers: int) -> None:
+    """Run the unfinished ``(config, run_dir, algo)`` jobs as ``lopd train`` processes, ``workers``
+    at a time (each with the config's thread count); a failed run stops the comparison."""
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    import yaml
+
+    pending = []
+    for cfg, run_dir, algo in jobs:
+        _check_reusable(cfg, run_dir)
+        if not _finished(run_dir, cfg.train.max_steps):
+            pending.append((cfg, run_dir, algo))
+    running: list[tuple[subprocess.Popen, Path, object]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        while pending or running:
+            while pending and len(running) < workers:
+                cfg, run_dir, algo = pending.pop(0)
+                run_dir.parent.mkdir(parents=True, exist_ok=True)
+                if checkpoints(run_dir):
+                    args = ["--resume", str(run_dir)]
+                else:
+                    config = Path(tmp) / f"{algo}-{run_dir.name}.yaml"
+                    config.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+                    args = ["--config", str(config), "--out", str(run_dir), "--algo", algo]
+                log = open(run_dir.parent / f"{run_dir.name}.log", "w")
+                proc = subprocess.Popen([sys.executable, "-m", "lopd", "train", *args],
+                                        stdout=log, stderr=subprocess.STDOUT)
+                running.append((proc, run_dir, log))
+            time.sleep(1.0)
+            for item in list(running):
+                proc, run_dir, log = item
+                if proc.poll() is None:
+                    continue
+                log.close()
+                running.remove(item)
+                if proc.returncode != 0:
+                    for other, _, other_log in running:
+                        other.kill()
+                        other_log.close()
+                    raise RuntimeError(f"training {run_dir} failed (exit {proc.returncode}); see "
+                                       f"{run_dir.parent / (run_dir.name + '.log')}")
 
 
 def run_config(config: str | Path, overrides: list[str], algo: str, seed: int,
@@ -93,9 +141,14 @@ def evaluate_base(cfg: Config, out: Path) -> dict:
 
 
 def compare(config: str | Path, overrides: list[str], algos: list[str], seeds: int, out: Path,
-            learning_rates: dict[str, float] | None = None) -> dict:
+            learning_rates: dict[str, float] | None = None, jobs: int = 1) -> dict:
+    """See the module docstring; ``jobs`` > 1 trains that many runs at once in subprocesses."""
     learning_rates = learning_rates or {}
     out.mkdir(parents=True, exist_ok=True)
+    if jobs > 1:
+        _train_in_parallel([(run_config(config, overrides, algo, seed, learning_rates),
+                             out / algo / f"seed{seed}", algo)
+                            for algo in algos if algo != BASE for seed in range(seeds)], jobs)
     results: dict[str, dict] = {}
     curves: dict[str, list[list[dict]]] = {}
     for algo in algos:
