@@ -6,9 +6,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test install clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet -e ".[test]"
+	# BFCL-v3 data, API classes and checker; --no-deps: its declared dependencies pull a CUDA
+	# torch and downgrade numpy, and the multi-turn checker needs only mpmath (torch brings it).
+	$(BIN)/python -m pip install --quiet --no-deps "nvidia-bfcl==26.3"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -447,7 +447,8 @@ class _EpisodeRun:
             self._extend([self.im_end], 0)
         self.messages.append({"role": "assistant", "content": text})
 
-        action = parse_action(text, self.task.tools)
+        # An environment may change the callable tools mid-episode (BFCL's held-back functions).
+        action = parse_action(text, getattr(self.episode, "tools", self.task.tools))
         result = self.episode.step(action)
         self.turns.append({
             "action": text, "kind": _action_kind(action),
@@ -455,10 +456,10 @@ class _EpisodeRun:
             if isinstance(action, ToolCall) else None,
             "observation": result.observation})
 
-        if isinstance(action, FinalAnswer):
+        if result.done:
+            reason = "answer" if isinstance(action, FinalAnswer) else "env_done"
+        elif isinstance(action, FinalAnswer) and result.observation is None:
             reason = "answer"
-        elif result.done:
-            reason = "env_done"
         elif len(self.turns) >= max_turns:
             reason = "max_turns"
         else:
@@ -466,7 +467,8 @@ class _EpisodeRun:
         if result.observation is None:
             self._extend(self._piece_after_assistant(None), 0)
             return reason
-        tool_message = {"role": "tool", "content": result.observation}
+        # Environments with several user turns answer a final answer with the next user message.
+        tool_message = {"role": result.info.get("role", "tool"), "content": result.observation}
         piece = self._piece_after_assistant(tool_message)
         if max_length is not None and len(self.input_ids) + len(piece) > max_length:
             # The tool's answer does not fit the context: the sequence ends with the agent's turn.

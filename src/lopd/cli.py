@@ -100,7 +100,10 @@ def cmd_quickstart(args) -> int:
 def _run(env, tasks, policy, tokenizer, cfg, progress: bool):
     from lopd import agent
 
-    return agent.run_episodes(env, tasks, policy, tokenizer, max_turns=cfg.rollout.max_turns,
+    # Multi-turn benchmarks need more actions per episode than the config's default (BFCL: user
+    # turns × actions per turn); an environment says so with ``max_episode_turns``.
+    max_turns = max(cfg.rollout.max_turns, getattr(env, "max_episode_turns", 0))
+    return agent.run_episodes(env, tasks, policy, tokenizer, max_turns=max_turns,
                               max_new_tokens=cfg.rollout.max_completion_length,
                               batch_size=cfg.rollout.batch_size, progress=progress)
 
@@ -166,6 +169,8 @@ def cmd_eval(args) -> int:
     from lopd.envs import get_env
 
     cfg = load_config(args.config, [f"env.name={args.env}", *args.overrides])
+    if args.subset:
+        args.split = "eval" if args.subset == "all" else args.subset
     device = runtime.setup(cfg.run)
     env = get_env(cfg.env.name, **cfg.env.kwargs())
     tasks = env.tasks(args.split)
@@ -399,6 +404,8 @@ def cmd_bank_eval(args) -> int:
     from lopd.experience import retrieval_quality
 
     cfg = load_config(args.config, [f"env.name={args.env}", *args.overrides])
+    if args.subset:
+        args.split = "eval" if args.subset == "all" else args.subset
     device = runtime.setup(cfg.run)
     env = get_env(cfg.env.name, **cfg.env.kwargs())
     tasks = env.tasks(args.split)[: args.limit or None]
@@ -627,7 +634,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "Episodes are greedy unless rollout.eval_temperature > 0.")
     p.add_argument("--model", default="tiny", help="model folder, or 'tiny' (embedded default)")
     p.add_argument("--env", default="toolworld", help="environment (default: toolworld)")
-    p.add_argument("--split", default="eval", choices=["pretrain", "train", "eval"])
+    p.add_argument("--split", default="eval",
+                   help="split: pretrain, train or eval (toolworld); base, miss_func, miss_param, "
+                   "long_context or eval = all four (bfcl)")
+    p.add_argument("--subset", help="BFCL subset (base, miss_func, miss_param, long_context, all); "
+                   "same as --split")
     p.add_argument("--agent", default="model", choices=["model", "oracle", "random"],
                    help="who acts: the model, the oracle solution, or random tool calls")
     p.add_argument("--limit", type=int, default=0, help="evaluate only the first N tasks")

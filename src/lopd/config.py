@@ -152,7 +152,7 @@ class LopdConfig:
 class EnvConfig:
     """Which environment to train and evaluate on, and how its tasks are generated."""
 
-    name: Literal["toolworld"] = knob("toolworld", "Environment name.")
+    name: Literal["toolworld", "bfcl"] = knob("toolworld", "Environment name (bfcl: evaluation only).")
     seed: int = knob(0, "Seed of task generation; the same seed gives the same tasks and splits.",
                      ge=0)
     train_size: int = knob(2349, "Tasks in the training split (the paper's 2,349).", ge=1)

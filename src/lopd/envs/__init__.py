@@ -10,6 +10,7 @@ from lopd.envs.base import Environment
 # others (and their dependencies).
 REGISTRY = {
     "toolworld": "lopd.envs.toolworld:ToolWorld",
+    "bfcl": "lopd.envs.bfcl:BFCL",
 }
 
 
