@@ -404,8 +404,6 @@ def cmd_bank_eval(args) -> int:
     from lopd.experience import retrieval_quality
 
     cfg = load_config(args.config, [f"env.name={args.env}", *args.overrides])
-    if args.subset:
-        args.split = "eval" if args.subset == "all" else args.subset
     device = runtime.setup(cfg.run)
     env = get_env(cfg.env.name, **cfg.env.kwargs())
     tasks = env.tasks(args.split)[: args.limit or None]
