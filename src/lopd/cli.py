@@ -23,6 +23,21 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                    help="override one config value; repeatable, e.g. --set train.learning_rate=3e-4")
 
 
+def _add_lopd_inputs(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--composer", help="cold-started composer folder (LOPD; sets lopd.composer)")
+    p.add_argument("--bank", help="experience bank folder (LOPD; sets lopd.bank)")
+
+
+def _lopd_input_overrides(args) -> list[str]:
+    """``--composer`` / ``--bank`` as config overrides, followed by the ``--set`` ones."""
+    sets = []
+    if args.composer:
+        sets.append(f"lopd.composer={args.composer}")
+    if args.bank:
+        sets.append(f"lopd.bank={args.bank}")
+    return sets + list(args.overrides)
+
+
 def _add_json_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", dest="json_path", metavar="PATH",
                    help="also write the printed figures to PATH as JSON")
@@ -507,12 +522,7 @@ def cmd_train(args) -> int:
         if not args.out:
             raise ValueError("lopd train needs --out RUN_DIR (or --resume RUN_DIR)")
         run_dir = Path(args.out)
-        sets = [f"train.algorithm={args.algo}"]
-        if args.composer:
-            sets.append(f"lopd.composer={args.composer}")
-        if args.bank:
-            sets.append(f"lopd.bank={args.bank}")
-        sets += args.overrides
+        sets = [f"train.algorithm={args.algo}", *_lopd_input_overrides(args)]
         cfg = load_config(args.config, sets)
         algo = cfg.train.algorithm
     last = trainer.train(cfg, run_dir, algo, resume=bool(args.resume))
@@ -538,11 +548,7 @@ def cmd_compare(args) -> int:
             rates[algo] = float(value)
         except ValueError:
             raise ValueError(f"--lr {item!r}: expected ALGO=RATE, e.g. grpo=1e-4") from None
-    overrides = list(args.overrides)
-    if args.composer:
-        overrides.append(f"lopd.composer={args.composer}")
-    if args.bank:
-        overrides.append(f"lopd.bank={args.bank}")
+    overrides = _lopd_input_overrides(args)
     load_config(args.config, overrides)  # fail on a bad key before any run starts
     out = Path(args.out)
     if args.jobs < 1:
@@ -563,11 +569,7 @@ def cmd_sweep(args) -> int:
         raise ValueError(f"--lrs {args.lrs!r}: expected comma-separated numbers") from None
     if not rates:
         raise ValueError("--lrs needs at least one learning rate")
-    overrides = list(args.overrides)
-    if args.composer:
-        overrides.append(f"lopd.composer={args.composer}")
-    if args.bank:
-        overrides.append(f"lopd.bank={args.bank}")
+    overrides = _lopd_input_overrides(args)
     load_config(args.config, overrides)
     report = sweep(args.config, overrides, args.algo, rates, args.steps, args.validation_tasks,
                    Path(args.out))
@@ -670,8 +672,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--algo", default="lopd", choices=["lopd", "grpo"], help="training algorithm")
     p.add_argument("--out", help="new run folder")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
-    p.add_argument("--composer", help="cold-started composer folder (LOPD; sets lopd.composer)")
-    p.add_argument("--bank", help="experience bank folder (LOPD; sets lopd.bank)")
+    _add_lopd_inputs(p)
     _add_config_args(p)
     _add_json_arg(p)
     p.set_defaults(func=cmd_train)
@@ -688,8 +689,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="folder of the comparison")
     p.add_argument("--lr", action="append", default=[], metavar="ALGO=RATE",
                    help="learning rate of one algorithm (its best from the validation sweep)")
-    p.add_argument("--composer", help="cold-started composer folder (LOPD)")
-    p.add_argument("--bank", help="experience bank folder (LOPD)")
+    _add_lopd_inputs(p)
     _add_config_args(p)
     _add_json_arg(p)
     p.set_defaults(func=cmd_compare)
@@ -704,8 +704,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--validation-tasks", type=int, default=100)
     p.add_argument("--out", required=True)
-    p.add_argument("--composer", help="cold-started composer folder (LOPD)")
-    p.add_argument("--bank", help="experience bank folder (LOPD)")
+    _add_lopd_inputs(p)
     _add_config_args(p)
     _add_json_arg(p)
     p.set_defaults(func=cmd_sweep)
