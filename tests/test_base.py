@@ -99,3 +99,29 @@ def test_reference_blocks_leave_the_action_targets_unchanged():
             with_block += 1
             assert f"<|im_start|>user\n{REFERENCE_PREFIX}Task: " in text
     assert with_block >= 50      # every task whose template has a peer in the pool
+
+
+def test_a_time_limited_run_resumed_ends_like_an_uninterrupted_one(tmp_path):
+    torch.set_num_threads(1)
+    sets = ["env.pretrain_size=24", "env.train_size=30", "env.eval_size=10",
+            "base.pretrain_tasks=24", "base.max_steps=6", "base.eval_every=3", "base.eval_tasks=2",
+            "base.batch_size=8", "base.stop_at_success=1.0", "model.vocab_size=600",
+            "rollout.max_turns=2", "rollout.max_completion_length=8"]
+    whole = base.build_base(load_config("tiny", sets), tmp_path / "whole", progress=False)
+    # A limit of ~0 stops after the first step, with a checkpoint.
+    cut = base.build_base(load_config("tiny", [*sets, "base.time_limit_minutes=1e-9"]),
+                          tmp_path / "cut", progress=False)
+    assert cut["stopped"] == "time_limit" and cut["steps"] == 1
+    with pytest.raises(ValueError, match="different config"):
+        base.build_base(load_config("tiny", [*sets, "base.learning_rate=1e-3"]), tmp_path / "cut",
+                        progress=False, resume=True)
+    resumed = base.build_base(load_config("tiny", sets), tmp_path / "cut", progress=False,
+                              resume=True)
+    assert resumed["steps"] == 6 and resumed["stopped"] == "max_steps"
+    assert resumed["final_loss"] == pytest.approx(whole["final_loss"], rel=1e-5)
+    a, _ = models.load_model(tmp_path / "whole")
+    b, _ = models.load_model(tmp_path / "cut")
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.allclose(x, y, atol=1e-6), name
+    with pytest.raises(FileNotFoundError, match="base_checkpoint.pt"):
+        base.build_base(load_config("tiny", sets), tmp_path / "none", progress=False, resume=True)

@@ -220,10 +220,43 @@ def collate_arrays(seqs: list[tuple[list[int], list[int]]], pad_id: int) -> dict
     return {"input_ids": ids, "attention_mask": attention, "labels": labels}
 
 
-def build_base(cfg: Config, out_dir: str | Path, progress: bool = True) -> dict:
-    """Build, train and save the base model; returns the training summary (also saved as JSON)."""
+CHECKPOINT = "base_checkpoint.pt"
+
+
+def _save_checkpoint(path: Path, cfg: Config, model, optimizer, rng: random.Random, batches,
+                     history, evals, step: int, seconds: float) -> None:
+    """Everything needed to continue training after ``step``, written atomically."""
+    tmp = path.with_suffix(".tmp")
+    torch.save({"config": asdict(cfg), "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(), "rng": rng.getstate(), "batches": batches,
+                "history": history, "evals": evals, "step": step, "seconds": seconds}, tmp)
+    tmp.replace(path)
+
+
+def _comparable(config: dict) -> dict:
+    """A config without the keys a resumed run may change (its wall-clock limit)."""
+    config = json.loads(json.dumps(config))
+    config["base"].pop("time_limit_minutes", None)
+    return config
+
+
+def build_base(cfg: Config, out_dir: str | Path, progress: bool = True, resume: bool = False) -> dict:
+    """Build, train and save the base model; returns the training summary (also saved as JSON).
+
+    Training state is checkpointed at every validation and when the time limit stops it, so a long
+    run on a slow machine can be continued later with ``resume=True`` (same config; the time limit
+    may differ), ending exactly where an uninterrupted run would.
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    state = None
+    if resume:
+        if not (out / CHECKPOINT).exists():
+            raise FileNotFoundError(f"{out} has no {CHECKPOINT} to resume from")
+        state = torch.load(out / CHECKPOINT, weights_only=False)
+        if _comparable(state["config"]) != _comparable(asdict(cfg)):
+            raise ValueError(f"{out / CHECKPOINT} was made with a different config; resume with "
+                             "the same settings (only base.time_limit_minutes may change)")
     device = runtime.setup(cfg.run)
     dtype = runtime.resolve_dtype(cfg.run.dtype, device)
     bcfg = cfg.base
@@ -254,9 +287,22 @@ def build_base(cfg: Config, out_dir: str | Path, progress: bool = True) -> dict:
     batches: list[list[int]] = []
     history: list[dict] = []
     evals: list[dict] = []
+    first, offset = 0, 0.0
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        rng.setstate(state["rng"])
+        batches, history, evals = state["batches"], state["history"], state["evals"]
+        first, offset = state["step"], state["seconds"]
+        start -= offset
     stopped = "max_steps"
-    bar = tqdm(total=bcfg.max_steps, desc="base SFT", disable=not progress)
-    for step in range(bcfg.max_steps):
+
+    def checkpoint(done: int) -> None:
+        _save_checkpoint(out / CHECKPOINT, cfg, model, optimizer, rng, batches, history, evals,
+                         done, time.perf_counter() - start)
+
+    bar = tqdm(total=bcfg.max_steps, initial=first, desc="base SFT", disable=not progress)
+    for step in range(first, bcfg.max_steps):
         if not batches:
             batches = length_batches(lengths, bcfg.batch_size, rng)
         batch = {k: v.to(device) for k, v in collate_arrays(
@@ -281,10 +327,13 @@ def build_base(cfg: Config, out_dir: str | Path, progress: bool = True) -> dict:
                           "seconds": round(time.perf_counter() - start, 2)})
             bar.write(f"step {step + 1}: validation success {summary['success_rate']:.3f}, "
                       f"reward {summary['mean_reward']:.3f}")
+            checkpoint(step + 1)
             if summary["success_rate"] >= bcfg.stop_at_success:
                 stopped = "stop_at_success"
                 break
-        if bcfg.time_limit_minutes and time.perf_counter() - start > 60 * bcfg.time_limit_minutes:
+        if bcfg.time_limit_minutes and (time.perf_counter() - start - offset
+                                        > 60 * bcfg.time_limit_minutes):
+            checkpoint(step + 1)
             stopped = "time_limit"
             break
     bar.close()

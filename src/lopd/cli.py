@@ -269,7 +269,7 @@ def cmd_base(args) -> int:
     from lopd.base import build_base
 
     cfg = load_config(args.config, args.overrides)
-    result = build_base(cfg, args.out)
+    result = build_base(cfg, args.out, resume=args.resume)
     print(key_value_table(result, title=f"base model -> {args.out}"))
     write_json(args.json_path, result)
     return 0
@@ -714,6 +714,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "model and fine-tune it on oracle transcripts of the pre-training pool until "
                        "validation success (on training-split tasks) reaches base.stop_at_success.")
     p.add_argument("--out", required=True, help="folder to write the base model to")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the training checkpointed in --out (same config; a run stopped "
+                   "by base.time_limit_minutes continues where it stopped)")
     _add_config_args(p)
     _add_json_arg(p)
     p.set_defaults(func=cmd_base)
