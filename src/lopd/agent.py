@@ -447,8 +447,7 @@ class _EpisodeRun:
             self._extend([self.im_end], 0)
         self.messages.append({"role": "assistant", "content": text})
 
-        # An environment may change the callable tools mid-episode (BFCL's held-back functions).
-        action = parse_action(text, getattr(self.episode, "tools", self.task.tools))
+        action = parse_action(text, self.episode.tools)
         result = self.episode.step(action)
         self.turns.append({
             "action": text, "kind": _action_kind(action),

@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 
 from lopd import __version__
+from lopd.algorithms import ALGORITHMS
 from lopd.config import ConfigError, describe, load_config
-from lopd.report import format_table, key_value_table, write_json
+from lopd.report import domain_rows, format_table, key_value_table, write_json
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default="tiny",
@@ -115,9 +116,7 @@ def cmd_quickstart(args) -> int:
 def _run(env, tasks, policy, tokenizer, cfg, progress: bool):
     from lopd import agent
 
-    # Multi-turn benchmarks need more actions per episode than the config's default (BFCL: user
-    # turns × actions per turn); an environment says so with ``max_episode_turns``.
-    max_turns = max(cfg.rollout.max_turns, getattr(env, "max_episode_turns", 0))
+    max_turns = max(cfg.rollout.max_turns, env.max_episode_turns)
     return agent.run_episodes(env, tasks, policy, tokenizer, max_turns=max_turns,
                               max_new_tokens=cfg.rollout.max_completion_length,
                               batch_size=cfg.rollout.batch_size, progress=progress)
@@ -172,13 +171,6 @@ def cmd_tasks(args) -> int:
     return 0
 
 
-def _eval_rows(summary: dict) -> list[list]:
-    rows = [[domain, d["episodes"], d["mean_reward"], d["success_rate"]]
-            for domain, d in sorted(summary["per_domain"].items())]
-    rows.append(["all", summary["episodes"], summary["mean_reward"], summary["success_rate"]])
-    return rows
-
-
 def cmd_eval(args) -> int:
     from lopd import agent, runtime
     from lopd.envs import get_env
@@ -215,7 +207,7 @@ def cmd_eval(args) -> int:
     who = f"base {args.model} + composer {args.composer}" if args.composer else args.agent
     title = (f"{who}{' ' + args.model if who == 'model' else ''} on "
              f"{cfg.env.name}/{args.split} ({len(tasks)} tasks, {seconds:.0f}s)")
-    print(format_table(["domain", "episodes", "mean reward", "success rate"], _eval_rows(summary),
+    print(format_table(["domain", "episodes", "mean reward", "success rate"], domain_rows(summary),
                        title=title))
     write_json(args.json_path, summary)
     return 0
@@ -536,7 +528,7 @@ def cmd_compare(args) -> int:
     from lopd.experiments.compare import compare
 
     algos = [a.strip() for a in args.algos.split(",") if a.strip()]
-    allowed = {"base", "lopd", "grpo"}
+    allowed = {"base", *ALGORITHMS}
     if not algos or set(algos) - allowed:
         raise ValueError(f"--algos {args.algos!r}: choose from {sorted(allowed)}")
     if args.seeds < 1:
@@ -669,7 +661,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "steps, checkpoint every train.save_every steps. Writes config.yaml, "
                        "metrics.jsonl, eval.jsonl, TensorBoard events, checkpoints and "
                        "training.png into the run folder.")
-    p.add_argument("--algo", default="lopd", choices=["lopd", "grpo"], help="training algorithm")
+    p.add_argument("--algo", default="lopd", choices=sorted(ALGORITHMS), help="training algorithm")
     p.add_argument("--out", help="new run folder")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
     _add_lopd_inputs(p)
@@ -699,7 +691,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "--validation-tasks training tasks (left out of training), never on the "
                        "eval split; prints the table and the best rate. Give every algorithm of a "
                        "comparison the same grid and steps.")
-    p.add_argument("--algo", required=True, choices=["lopd", "grpo"])
+    p.add_argument("--algo", required=True, choices=sorted(ALGORITHMS))
     p.add_argument("--lrs", default="3e-5,1e-4,3e-4", help="comma-separated learning rates")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--validation-tasks", type=int, default=100)

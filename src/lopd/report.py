@@ -44,3 +44,11 @@ def write_json(path: str | Path | None, figures: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(figures, indent=2, default=str) + "\n")
+
+
+def domain_rows(summary: dict) -> list[list]:
+    """Rows of an episode summary (``agent.summarize``): one per domain, then "all"."""
+    rows = [[domain, d["episodes"], d["mean_reward"], d["success_rate"]]
+            for domain, d in sorted(summary["per_domain"].items())]
+    rows.append(["all", summary["episodes"], summary["mean_reward"], summary["success_rate"]])
+    return rows

@@ -214,7 +214,8 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _read_jsonl(path: Path) -> list[dict]:
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a run's JSONL file (metrics, evals); [] when it does not exist yet."""
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -361,7 +362,7 @@ class Trainer:
         # Records written after the checkpoint belong to steps that will run again.
         for name in (METRICS_FILE, EVAL_FILE):
             path = self.run_dir / name
-            _rewrite_jsonl(path, [r for r in _read_jsonl(path) if r["step"] <= self.start_step])
+            _rewrite_jsonl(path, [r for r in read_jsonl(path) if r["step"] <= self.start_step])
 
     # -- rollouts and evaluation --------------------------------------------------------------
 
@@ -459,7 +460,7 @@ def plot_run(run_dir: Path, extra: list[Panel], title: str = "") -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = _read_jsonl(run_dir / METRICS_FILE)
+    records = read_jsonl(run_dir / METRICS_FILE)
     panels = [Panel("held-out mean reward", ("eval/mean_reward", "eval/success_rate")),
               Panel("training rollouts", ("train/mean_reward", "train/success_rate")), *extra]
     cols = 3

@@ -104,6 +104,12 @@ class Episode(ABC):
 
     task: Task
 
+    @property
+    def tools(self) -> list[dict]:
+        """The tools the agent may call now (the task's, unless the environment changes them
+        mid-episode, as BFCL does with its held-back functions)."""
+        return self.task.tools
+
     @abstractmethod
     def messages(self) -> list[dict]:
         """The initial conversation: ``[{"role": "system", ...}, {"role": "user", ...}]``."""
@@ -123,6 +129,9 @@ class Environment(ABC):
 
     name: str
     splits: tuple[str, ...]
+    max_episode_turns: int = 0
+    """Actions an episode may need at most (multi-turn benchmarks: user turns × actions per turn);
+    episode runners allow at least this many. 0 = the config's rollout.max_turns decides."""
 
     @abstractmethod
     def tasks(self, split: str) -> list[Task]:

@@ -190,9 +190,13 @@ class BFCLEpisode(Episode):
         # harness, a held-back function executes if called; its doc is only shown at its turn),
         # checked for names and required arguments but not for types (BFCL's own ground truth
         # passes a string where a doc says integer).
-        self.tools = [_untyped(t) for c in entry["involved_classes"] for t in function_docs(c)]
+        self._tools = [_untyped(t) for c in entry["involved_classes"] for t in function_docs(c)]
         self._worker = _Worker(entry, ground_truth)
         self._verdict: Verdict | None = None
+
+    @property
+    def tools(self) -> list[dict]:
+        return self._tools
 
     def messages(self) -> list[dict]:
         return [{"role": "system", "content": SYSTEM_PROMPT},

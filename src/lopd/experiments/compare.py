@@ -20,7 +20,7 @@ import statistics
 from pathlib import Path
 
 from lopd.config import Config, load_config
-from lopd.trainer import EVAL_FILE, checkpoints, train
+from lopd.trainer import EVAL_FILE, checkpoints, read_jsonl, train, write_config
 
 BASE = "base"
 
@@ -30,10 +30,7 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def _evals(run_dir: Path) -> list[dict]:
-    path = run_dir / EVAL_FILE
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_jsonl(run_dir / EVAL_FILE)
 
 
 def _finished(run_dir: Path, max_steps: int) -> bool:
@@ -53,7 +50,7 @@ def _check_reusable(cfg: Config, run_dir: Path) -> None:
                          "asks for; move it away or use another --out")
 
 
-def _train_or_reuse(cfg: Config, run_dir: Path, algo: str) -> None:
+def train_or_reuse(cfg: Config, run_dir: Path, algo: str) -> None:
     """Train ``run_dir`` to the end, resuming it if it has a checkpoint; a finished run is reused."""
     _check_reusable(cfg, run_dir)
     if not _finished(run_dir, cfg.train.max_steps):
@@ -67,8 +64,6 @@ def _train_in_parallel(jobs: list[tuple[Config, Path, str]], workers: int) -> No
     import sys
     import tempfile
     import time
-
-    import yaml
 
     pending = []
     for cfg, run_dir, algo in jobs:
@@ -85,7 +80,7 @@ def _train_in_parallel(jobs: list[tuple[Config, Path, str]], workers: int) -> No
                     args = ["--resume", str(run_dir)]
                 else:
                     config = Path(tmp) / f"{algo}-{run_dir.name}.yaml"
-                    config.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+                    write_config(cfg, config)
                     args = ["--config", str(config), "--out", str(run_dir), "--algo", algo]
                 log = open(run_dir.parent / f"{run_dir.name}.log", "w")
                 proc = subprocess.Popen([sys.executable, "-m", "lopd", "train", *args],
@@ -162,7 +157,7 @@ def compare(config: str | Path, overrides: list[str], algos: list[str], seeds: i
         for seed in range(seeds):
             cfg = run_config(config, overrides, algo, seed, learning_rates)
             run_dir = out / algo / f"seed{seed}"
-            _train_or_reuse(cfg, run_dir, algo)
+            train_or_reuse(cfg, run_dir, algo)
             per_seed.append(_evals(run_dir))
         curves[algo] = per_seed
         finals = [evals[-1] for evals in per_seed]
@@ -260,7 +255,7 @@ def sweep(config: str | Path, overrides: list[str], algo: str, learning_rates: l
                 "train.eval_split=validation", f"train.eval_tasks={validation_tasks}"]
         cfg = load_config(config, sets)
         run_dir = out / f"{algo}-lr{rate:g}"
-        _train_or_reuse(cfg, run_dir, algo)
+        train_or_reuse(cfg, run_dir, algo)
         final = _evals(run_dir)[-1]
         rows.append({"learning_rate": rate, "validation_mean_reward": final["mean_reward"],
                      "validation_success_rate": final["success_rate"]})

@@ -24,7 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from lopd.config import Config
-from lopd.report import format_table, key_value_table
+from lopd.report import domain_rows, format_table, key_value_table
 
 DONE = ".done"
 
@@ -38,18 +38,11 @@ def _mark_done(folder: Path, figures: dict) -> dict:
     return figures
 
 
-def _rows(summary: dict) -> list[list]:
-    rows = [[d, v["episodes"], v["mean_reward"], v["success_rate"]]
-            for d, v in summary["per_domain"].items()]
-    rows.append(["all", summary["episodes"], summary["mean_reward"], summary["success_rate"]])
-    return rows
-
-
 def run(cfg: Config, bank_tasks: int = 600, cold_start_steps: int = 60, lopd_steps: int = 8,
         fresh: bool = False, build_base: bool = False) -> dict:
     from lopd import agent, models, runtime, trainer
     from lopd.envs import get_env
-    from lopd.experiments.compare import _train_or_reuse
+    from lopd.experiments.compare import train_or_reuse
     from lopd.rollout import SamplingParams, TransformersEngine
 
     out = Path(cfg.run.output_dir) / "quickstart"
@@ -104,7 +97,7 @@ def run(cfg: Config, bank_tasks: int = 600, cold_start_steps: int = 60, lopd_ste
         base = agent.summarize(episodes(eval_tasks, model_policy(r.eval_temperature)))
         base_path.write_text(json.dumps(base, indent=1))
     print()
-    print(format_table(["domain", "episodes", "mean reward", "success rate"], _rows(base),
+    print(format_table(["domain", "episodes", "mean reward", "success rate"], domain_rows(base),
                        title="4. base model on the held-out tasks (greedy)"))
 
     bank_dir = out / "bank"
@@ -120,10 +113,9 @@ def run(cfg: Config, bank_tasks: int = 600, cold_start_steps: int = 60, lopd_ste
     run_cfg = replace(cfg, train=replace(cfg.train, max_steps=lopd_steps,
                                          eval_every=max(1, lopd_steps // 2), save_every=lopd_steps),
                       lopd=replace(cfg.lopd, composer=str(composer_dir), bank=str(bank_dir)))
-    _train_or_reuse(run_cfg, out / "lopd", "lopd")
-    evals = [json.loads(line) for line in (out / "lopd" / trainer.EVAL_FILE).read_text().splitlines()]
+    train_or_reuse(run_cfg, out / "lopd", "lopd")
+    evals = trainer.read_jsonl(out / "lopd" / trainer.EVAL_FILE)
     final = evals[-1]
-    trainer.plot_run(out / "lopd", [], "lopd")
     rows = [["base", base["mean_reward"], base["success_rate"], 0],
             [f"LOPD, {lopd_steps} steps", final["mean_reward"], final["success_rate"],
              final["generations"]]]
