@@ -234,9 +234,10 @@ def _save_checkpoint(path: Path, cfg: Config, model, optimizer, rng: random.Rand
 
 
 def _comparable(config: dict) -> dict:
-    """A config without the keys a resumed run may change (its wall-clock limit)."""
+    """A config without the keys a resumed run may change (wall-clock limit, CPU threads)."""
     config = json.loads(json.dumps(config))
     config["base"].pop("time_limit_minutes", None)
+    config["run"].pop("num_threads", None)
     return config
 
 
@@ -245,7 +246,7 @@ def build_base(cfg: Config, out_dir: str | Path, progress: bool = True, resume: 
 
     Training state is checkpointed at every validation and when the time limit stops it, so a long
     run on a slow machine can be continued later with ``resume=True`` (same config; the time limit
-    may differ), ending exactly where an uninterrupted run would.
+    and thread count may differ), ending exactly where an uninterrupted run would.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -256,7 +257,7 @@ def build_base(cfg: Config, out_dir: str | Path, progress: bool = True, resume: 
         state = torch.load(out / CHECKPOINT, weights_only=False)
         if _comparable(state["config"]) != _comparable(asdict(cfg)):
             raise ValueError(f"{out / CHECKPOINT} was made with a different config; resume with "
-                             "the same settings (only base.time_limit_minutes may change)")
+                             "the same settings (only base.time_limit_minutes and run.num_threads may change)")
     device = runtime.setup(cfg.run)
     dtype = runtime.resolve_dtype(cfg.run.dtype, device)
     bcfg = cfg.base
