@@ -197,7 +197,7 @@ def prepare(cfg: Config, out: Path, env, progress: bool = True):
         tokenizer = models.train_tokenizer(tokenizer_corpus(env, pool),
                                            vocab_size=cfg.model.vocab_size)
     tokenizer.save_pretrained(out)
-    rollouts = oracle_rollouts(env, pool, tokenizer, cfg, progress=progress)
+    rollouts = oracle_rollouts(env.for_transcripts(), pool, tokenizer, cfg, progress=progress)
     data = SFTData.from_sequences(with_references(
         rollouts, pool, tokenizer, cfg.base.reference_fraction, cfg.bank.n_ret,
         cfg.bank.max_observation_chars, cfg.run.seed))
@@ -233,12 +233,15 @@ def _save_checkpoint(path: Path, cfg: Config, model, optimizer, rng: random.Rand
     tmp.replace(path)
 
 
-def _comparable(config: dict) -> dict:
-    """A config without the keys a resumed run may change (wall-clock limit, CPU threads)."""
+def _comparable(config: dict, saved: dict) -> dict:
+    """``config`` without the keys a resumed run may change (wall-clock limit, CPU threads) and
+    without keys the ``saved`` config does not have (settings added to lopd since it was
+    written)."""
     config = json.loads(json.dumps(config))
     config["base"].pop("time_limit_minutes", None)
     config["run"].pop("num_threads", None)
-    return config
+    return {section: {k: v for k, v in values.items() if k in saved.get(section, {})}
+            for section, values in config.items() if section in saved}
 
 
 def build_base(cfg: Config, out_dir: str | Path, progress: bool = True, resume: bool = False) -> dict:
@@ -255,7 +258,8 @@ def build_base(cfg: Config, out_dir: str | Path, progress: bool = True, resume: 
         if not (out / CHECKPOINT).exists():
             raise FileNotFoundError(f"{out} has no {CHECKPOINT} to resume from")
         state = torch.load(out / CHECKPOINT, weights_only=False)
-        if _comparable(state["config"]) != _comparable(asdict(cfg)):
+        saved = state["config"]
+        if _comparable(saved, saved) != _comparable(asdict(cfg), saved):
             raise ValueError(f"{out / CHECKPOINT} was made with a different config; resume with "
                              "the same settings (only base.time_limit_minutes and run.num_threads may change)")
     device = runtime.setup(cfg.run)
@@ -266,7 +270,7 @@ def build_base(cfg: Config, out_dir: str | Path, progress: bool = True, resume: 
     env = get_env(cfg.env.name, **cfg.env.kwargs())
     if bcfg.pretrain_tasks > len(env.tasks("pretrain")):
         raise ValueError(f"base.pretrain_tasks={bcfg.pretrain_tasks} exceeds the pre-training pool "
-                         f"(env.pretrain_size={cfg.env.pretrain_size})")
+                         f"of {len(env.tasks('pretrain'))} tasks (env.pretrain_size)")
     validation = random.Random(cfg.run.seed).sample(env.tasks("train"), bcfg.eval_tasks)
     tokenizer, data = prepare(cfg, out, env, progress=progress)
     prepare_seconds = time.perf_counter() - start

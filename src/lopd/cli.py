@@ -113,6 +113,29 @@ def cmd_quickstart(args) -> int:
     return 0
 
 
+CODE_ENVS = ("codeworld", "humaneval")
+
+
+def _config_for_env(args):
+    """The config for ``--env``: the code environments use the tiny-code preset (the code model)
+    unless ``--config`` names another."""
+    name = "tiny-code" if args.env in CODE_ENVS and args.config == "tiny" else args.config
+    return load_config(name, [f"env.name={args.env}", *args.overrides])
+
+
+def _pass_at_k(rollouts, samples: int) -> dict:
+    """pass@k (unbiased estimator, all tests passing) over tasks sampled ``samples`` times each."""
+    from lopd.envs.codegen import pass_at_k
+
+    passed: dict[str, list[bool]] = {}
+    for r in rollouts:
+        passed.setdefault(r.task_id, []).append(r.success)
+    ks = [k for k in (1, 5, 10, 100) if k <= samples]
+    return {"samples_per_task": samples, "pass_at_k": {
+        f"pass@{k}": sum(pass_at_k(len(v), sum(v), k) for v in passed.values()) / len(passed)
+        for k in ks}}
+
+
 def _run(env, tasks, policy, tokenizer, cfg, progress: bool):
     from lopd import agent
 
@@ -149,7 +172,7 @@ def _read_episodes(path: Path):
 def cmd_tasks(args) -> int:
     from lopd.envs import get_env
 
-    cfg = load_config(args.config, [f"env.name={args.env}", *args.overrides])
+    cfg = _config_for_env(args)
     env = get_env(cfg.env.name, **cfg.env.kwargs())
     tasks = env.tasks(args.split)
     if args.out:
@@ -163,10 +186,15 @@ def cmd_tasks(args) -> int:
     rows.append(["all", stats["tasks"]])
     print(format_table(["domain", "tasks"], rows, title=f"{cfg.env.name} / {args.split}"
                        + (f" -> {args.out}" if args.out else "")))
-    calls = [[n, count] for n, count in sorted(stats["oracle_calls"].items(), key=lambda kv: int(kv[0]))]
-    print()
-    print(format_table(["oracle tool calls", "tasks"], calls,
-                       title=f"{stats['reports']} report tasks; {len(stats['templates'])} templates"))
+    if "oracle_calls" in stats:
+        calls = [[n, count] for n, count in sorted(stats["oracle_calls"].items(),
+                                                    key=lambda kv: int(kv[0]))]
+        print()
+        print(format_table(["oracle tool calls", "tasks"], calls,
+                           title=f"{stats['reports']} report tasks; {len(stats['templates'])} "
+                           "templates"))
+    else:
+        print(key_value_table({k: v for k, v in stats.items() if k not in ("tasks", "domains")}))
     write_json(args.json_path, {"env": cfg.env.name, "split": args.split, **stats})
     return 0
 
@@ -175,7 +203,8 @@ def cmd_eval(args) -> int:
     from lopd import agent, runtime
     from lopd.envs import get_env
 
-    cfg = load_config(args.config, [f"env.name={args.env}", *args.overrides])
+    cfg = _config_for_env(args)
+    args.model = args.model or cfg.model.name_or_path
     if args.subset:
         args.split = "eval" if args.subset == "all" else args.subset
     device = runtime.setup(cfg.run)
@@ -190,14 +219,23 @@ def cmd_eval(args) -> int:
         policy, tokenizer, bank = _composer_policy(args, cfg, device)
     else:
         policy, tokenizer = _make_policy(args.agent, args.model, cfg, device)
+    code = cfg.env.name in CODE_ENVS
+    if args.samples < 1 or (args.samples > 1 and not code):
+        raise ValueError(f"--samples must be >= 1, and > 1 only for {', '.join(CODE_ENVS)}")
+    if args.samples > 1 and cfg.rollout.eval_temperature <= 0 and args.agent == "model":
+        raise ValueError("--samples > 1 needs sampling: add --set rollout.eval_temperature=0.8 "
+                         "(greedy samples are all the same)")
     start = time.perf_counter()
     try:
-        rollouts = _run(env, tasks, policy, tokenizer, cfg, progress=True)
+        rollouts = _run(env, [t for t in tasks for _ in range(args.samples)], policy, tokenizer,
+                        cfg, progress=True)
     finally:
         if bank is not None:
             bank.close()
     seconds = time.perf_counter() - start
     summary = agent.summarize(rollouts)
+    if code:
+        summary.update(_pass_at_k(rollouts, args.samples))
     summary.update({"agent": "base+composer" if args.composer else args.agent,
                     "composer": args.composer, "bank": args.bank,
                     "model": args.model if args.agent == "model" else None,
@@ -209,6 +247,8 @@ def cmd_eval(args) -> int:
              f"{cfg.env.name}/{args.split} ({len(tasks)} tasks, {seconds:.0f}s)")
     print(format_table(["domain", "episodes", "mean reward", "success rate"], domain_rows(summary),
                        title=title))
+    if code:
+        print("  ".join(f"{k} {v:.4f}" for k, v in summary["pass_at_k"].items()))
     write_json(args.json_path, summary)
     return 0
 
@@ -260,7 +300,12 @@ def _composer_policy(args, cfg, device):
 def cmd_base(args) -> int:
     from lopd.base import build_base
 
-    cfg = load_config(args.config, args.overrides)
+    overrides = list(args.overrides)
+    if args.env:
+        if args.env == "codeworld" and args.config == "tiny":
+            args.config = "tiny-code"
+        overrides.insert(0, f"env.name={args.env}")
+    cfg = load_config(args.config, overrides)
     result = build_base(cfg, args.out, resume=args.resume)
     print(key_value_table(result, title=f"base model -> {args.out}"))
     write_json(args.json_path, result)
@@ -282,7 +327,7 @@ def cmd_bank_build(args) -> int:
     from lopd.envs import get_env
     from lopd.experience import ExperienceBank, spec_from_config
 
-    cfg = load_config(args.config, [f"env.name={args.env}", *args.overrides])
+    cfg = _config_for_env(args)
     if args.split != "train":
         raise ValueError(f"--split {args.split}: only training-split tasks may enter the "
                          "experience bank")
@@ -345,7 +390,7 @@ def cmd_bank_add(args) -> int:
     from lopd import runtime
     from lopd.envs import get_env
 
-    cfg = load_config(args.config, [f"env.name={args.env}", *args.overrides])
+    cfg = _config_for_env(args)
     device = runtime.setup(cfg.run)
     path = Path(args.rollouts)
     if not path.is_file():
@@ -410,7 +455,7 @@ def cmd_bank_eval(args) -> int:
     from lopd.envs import get_env
     from lopd.experience import retrieval_quality
 
-    cfg = load_config(args.config, [f"env.name={args.env}", *args.overrides])
+    cfg = _config_for_env(args)
     device = runtime.setup(cfg.run)
     env = get_env(cfg.env.name, **cfg.env.kwargs())
     tasks = env.tasks(args.split)[: args.limit or None]
@@ -624,7 +669,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run an agent on every task of a split and report mean reward "
                        "and success rate per domain. --agent oracle / random check the harness. "
                        "Episodes are greedy unless rollout.eval_temperature > 0.")
-    p.add_argument("--model", default="tiny", help="model folder, or 'tiny' (embedded default)")
+    p.add_argument("--model", help="model folder, or 'tiny' / 'tiny-code' (embedded); default: "
+                   "the config's model.name_or_path (tiny; tiny-code for codeworld and humaneval)")
     p.add_argument("--env", default="toolworld", help="environment (default: toolworld)")
     p.add_argument("--split", default="eval",
                    help="split: pretrain, train or eval (toolworld); base, miss_func, miss_param, "
@@ -634,6 +680,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--agent", default="model", choices=["model", "oracle", "random"],
                    help="who acts: the model, the oracle solution, or random tool calls")
     p.add_argument("--limit", type=int, default=0, help="evaluate only the first N tasks")
+    p.add_argument("--samples", type=int, default=1, help="answers per task for pass@k "
+                   "(codeworld, humaneval; > 1 needs rollout.eval_temperature > 0)")
     p.add_argument("--composer", metavar="DIR", help="act as Base + Composer: latents of retrieved "
                    "experiences (from --bank) in the base's prompt")
     p.add_argument("--bank", metavar="BANK", help="experience bank for --composer")
@@ -706,6 +754,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "model and fine-tune it on oracle transcripts of the pre-training pool until "
                        "validation success (on training-split tasks) reaches base.stop_at_success.")
     p.add_argument("--out", required=True, help="folder to write the base model to")
+    p.add_argument("--env", help="environment to build it for: toolworld (the default preset "
+                   "tiny) or codeworld (preset tiny-code unless --config says otherwise)")
     p.add_argument("--resume", action="store_true",
                    help="continue the training checkpointed in --out (same config; a run stopped "
                    "by base.time_limit_minutes continues where it stopped)")

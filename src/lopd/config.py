@@ -152,19 +152,33 @@ class LopdConfig:
 class EnvConfig:
     """Which environment to train and evaluate on, and how its tasks are generated."""
 
-    name: Literal["toolworld", "bfcl"] = knob("toolworld", "Environment name (bfcl: evaluation only).")
+    name: Literal["toolworld", "codeworld", "bfcl", "humaneval"] = knob(
+        "toolworld", "Environment name (bfcl, humaneval: evaluation only).")
     seed: int = knob(0, "Seed of task generation; the same seed gives the same tasks and splits.",
                      ge=0)
-    train_size: int = knob(2349, "Tasks in the training split (the paper's 2,349).", ge=1)
-    eval_size: int = knob(200, "Tasks in the held-out evaluation split.", ge=1)
+    train_size: int = knob(-1, "Tasks in the training split; -1 = the environment's default "
+                           "(toolworld 2,349 as in the paper, codeworld 7,000).", ge=-1)
+    eval_size: int = knob(-1, "Tasks in the held-out evaluation split; -1 = the environment's "
+                          "default (toolworld 200, codeworld 500).", ge=-1)
     pretrain_size: int = knob(
-        30000, "Tasks in the pre-training pool used only to build the base model (disjoint from "
-        "train and eval).", ge=0)
+        -1, "Tasks in the pre-training pool used only to build the base model (disjoint from "
+        "train and eval); -1 = the environment's default (toolworld 30,000, codeworld 20,000).",
+        ge=-1)
+    code_reward: Literal["fraction", "binary"] = knob(
+        "fraction", "codeworld reward: the fraction of hidden tests passed, or 1 only when all "
+        "pass.")
+    code_attempts: int = knob(
+        1, "codeworld answers per episode: 1 = single-turn; more = failing tests come back as "
+        "feedback and the agent tries again.", ge=1)
 
     def kwargs(self) -> dict[str, Any]:
         """Constructor arguments of the environment."""
-        return {"seed": self.seed, "sizes": {"train": self.train_size, "eval": self.eval_size,
-                                             "pretrain": self.pretrain_size}}
+        sizes = {split: size for split, size in (("train", self.train_size), ("eval", self.eval_size),
+                                                 ("pretrain", self.pretrain_size)) if size >= 0}
+        kwargs = {"seed": self.seed, "sizes": sizes}
+        if self.name == "codeworld":
+            kwargs.update(reward=self.code_reward, attempts=self.code_attempts)
+        return kwargs
 
 
 @dataclass
@@ -441,18 +455,33 @@ def resolve_config_path(name_or_path: str | Path) -> Path:
                       f"presets: {', '.join(presets)}")
 
 
+def _read_yaml(name_or_path: str | Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A preset or YAML file as a dict; ``extends: PRESET`` merges this file over that one."""
+    path = resolve_config_path(name_or_path)
+    if path in chain:
+        raise ConfigError(f"{path}: 'extends' loops back to itself")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    parent = data.pop("extends", None)
+    if parent is None:
+        return data
+    merged = _read_yaml(parent, (*chain, path))
+    for section, values in data.items():
+        if isinstance(values, dict) and isinstance(merged.get(section), dict):
+            merged[section] = {**merged[section], **values}
+        else:
+            merged[section] = values
+    return merged
+
+
 def load_config(name_or_path: str | Path | None = None,
                 overrides: typing.Sequence[str] = ()) -> Config:
     """Load a preset or YAML file (defaults when None), apply ``--set`` overrides, validate."""
-    data: dict[str, Any] = {}
-    if name_or_path is not None:
-        path = resolve_config_path(name_or_path)
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    data: dict[str, Any] = {} if name_or_path is None else _read_yaml(name_or_path)
     for assignment in overrides:
         _apply_override(data, assignment)
     return from_dict(Config, data)

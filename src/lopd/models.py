@@ -26,6 +26,9 @@ SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END, LATENT_TOKEN, TOOL_CALL_START, TO
 
 # Where `lopd base` ships the embedded default model inside the package.
 EMBEDDED_DIR = Path(__file__).parent / "assets" / "tiny-base"
+EMBEDDED = {"tiny": EMBEDDED_DIR, "tiny-code": EMBEDDED_DIR.with_name("tiny-code")}
+"""Models shipped in the package: the toolworld base, and the codeworld base (issue notes say why
+the two domains have separate tiny models)."""
 
 # ChatML, as Qwen uses it, with one change that matters for a 1M-parameter model: tools are listed
 # as one short signature line each instead of their full JSON schema, which keeps prompts short.
@@ -157,14 +160,15 @@ def build_model(tokenizer, preset: str = "tiny", seed: int = 0,
 
 
 def resolve_model_path(name_or_path: str | Path) -> str:
-    """'tiny' means the embedded default; a folder must hold a config; anything else is a hub id."""
+    """'tiny' / 'tiny-code' mean the embedded models; a folder must hold a config; anything else is
+    a hub id."""
     name = str(name_or_path)
-    if name == "tiny":
-        if not (EMBEDDED_DIR / "config.json").exists():
+    if name in EMBEDDED:
+        if not (EMBEDDED[name] / "config.json").exists():
             raise FileNotFoundError(
-                f"the embedded default model is not in this install ({EMBEDDED_DIR}); "
-                "build one with `lopd model new --out DIR` and pass that folder instead")
-        return str(EMBEDDED_DIR)
+                f"the embedded model {name!r} is not in this install ({EMBEDDED[name]}); "
+                "build one with `lopd base --out DIR` and pass that folder instead")
+        return str(EMBEDDED[name])
     path = Path(name)
     if path.exists():
         if not (path / "config.json").exists():

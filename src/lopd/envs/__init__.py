@@ -10,6 +10,8 @@ from lopd.envs.base import Environment
 # others (and their dependencies).
 REGISTRY = {
     "toolworld": "lopd.envs.toolworld:ToolWorld",
+    "codeworld": "lopd.envs.codeworld:CodeWorld",
+    "humaneval": "lopd.envs.humaneval:HumanEval",
     "bfcl": "lopd.envs.bfcl:BFCL",
 }
 

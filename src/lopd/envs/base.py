@@ -140,3 +140,9 @@ class Environment(ABC):
     @abstractmethod
     def reset(self, task: Task) -> Episode:
         """A fresh episode of ``task`` in its initial state."""
+
+    def for_transcripts(self) -> Environment:
+        """The environment to run when only the oracle's token sequences are wanted (building the
+        base model's training data), not their scores. Environments whose scoring is costly (the
+        code sandbox) return a view that skips it; the rest return themselves."""
+        return self

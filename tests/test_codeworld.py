@@ -1,0 +1,180 @@
+"""codeworld, HumanEval and the code episode: harness validation with gold and junk answers."""
+
+import itertools
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from lopd.envs import get_env
+from lopd.envs.base import FinalAnswer, Malformed
+from lopd.envs.codegen import extract_code, fence, pass_at_k
+from lopd.envs.codeworld import CodeWorld, assemble, call_text
+from lopd.envs.codeworld.problems import TEMPLATES, expected_values
+
+SIZES = {"eval": 24, "train": 60, "pretrain": 20}
+JUNK = ["I do not know.", fence("print('hello')"), fence("def"), "",
+        fence("import sys\nsys.exit(0)"), "Task Completed"]
+
+
+@pytest.fixture(scope="module")
+def world():
+    return CodeWorld(sizes=SIZES)
+
+
+def answer(env, task, text):
+    episode = env.reset(task)
+    result = episode.step(Malformed(text, "no tool call"))
+    return result, episode.verify()
+
+
+def test_extract_code_reads_fences_bare_code_and_unclosed_fences():
+    assert extract_code("Here:\n```python\ndef f():\n    return 1\n```\nDone.") == \
+        "def f():\n    return 1\n"
+    assert extract_code("```\nx = 1\n```") == "x = 1\n"
+    assert extract_code("```python\ndef f():\n    return 2") == "def f():\n    return 2\n"
+    assert extract_code("def f(): return 3") == "def f(): return 3\n"
+    assert extract_code(fence("a = 1\n")) == "a = 1\n"
+
+
+def test_pass_at_k_matches_brute_force():
+    for n, c, k in [(5, 2, 1), (5, 2, 3), (6, 0, 2), (6, 6, 4), (10, 3, 5), (4, 1, 4)]:
+        samples = [True] * c + [False] * (n - c)
+        subsets = list(itertools.combinations(samples, k))
+        brute = sum(any(s) for s in subsets) / len(subsets)
+        assert pass_at_k(n, c, k) == pytest.approx(brute)
+    assert pass_at_k(10, 3, 1) == pytest.approx(0.3)
+    with pytest.raises(ValueError, match="pass@k needs"):
+        pass_at_k(3, 4, 1)
+
+
+def test_templates_cover_four_categories_and_reference_tests_hold():
+    categories = {t.category for t in TEMPLATES}
+    assert categories == {"list", "string", "arithmetic", "dict"} and len(TEMPLATES) >= 40
+    import random
+    for template in TEMPLATES:
+        problem = template.make(random.Random(7))
+        args = [t["args"] for t in problem.tests]
+        assert expected_values(problem.solution, problem.entry_point, args) == \
+            [t["expected"] for t in problem.tests]
+        assert json.loads(json.dumps(problem.tests)) == problem.tests
+
+
+def test_splits_are_deterministic_sized_and_hold_out_statements(world):
+    again = CodeWorld(sizes=SIZES)
+    assert [t.to_dict() for t in again.tasks("eval")] == [t.to_dict() for t in world.tasks("eval")]
+    assert {s: len(world.tasks(s)) for s in SIZES} == SIZES
+    statements = {s: {(t.meta["template"], t.meta["statement"]) for t in world.tasks(s)}
+                  for s in SIZES}
+    assert not statements["eval"] & (statements["train"] | statements["pretrain"])
+    instances = [json.dumps([t.instruction, t.meta["tests"]]) for s in SIZES
+                 for t in world.tasks(s)]
+    assert len(instances) == len(set(instances))
+    assert world.dropped == {"eval": 0, "train": 0, "pretrain": 0}
+    task = world.tasks("eval")[0]
+    assert task.tools == [] and "Example:" in task.instruction and task.meta["signature"] in \
+        task.instruction
+
+
+def test_reference_solutions_score_one_and_junk_scores_zero(world):
+    tasks = world.tasks("eval") + world.tasks("train")[:16]
+
+    def gold(task):
+        return answer(world, task, task.oracle_texts()[0])[1]
+
+    with ThreadPoolExecutor(2) as pool:
+        verdicts = list(pool.map(gold, tasks))
+    assert all(v.success and v.reward == 1.0 for v in verdicts)
+    for text in JUNK:
+        result, verdict = answer(world, tasks[0], text)
+        assert result.done and verdict.reward == 0.0 and not verdict.success
+
+
+def test_partial_answers_get_the_fraction_or_nothing_when_binary(world):
+    task = next(t for t in world.tasks("eval")
+                if len({json.dumps(x["expected"]) for x in t.meta["tests"]}) > 2)
+    first = task.meta["tests"][0]
+    # Right on the first hidden test only: a lookup table of one answer.
+    table = fence(f"def {task.meta['entry_point']}(*args):\n"
+                  f"    return {first['expected']!r} if list(args) == {first['args']!r} else None")
+    _, verdict = answer(world, task, table)
+    passed = sum(ok for _, ok in verdict.checks)
+    assert 1 <= passed < len(task.meta["tests"])
+    assert verdict.reward == pytest.approx(passed / len(task.meta["tests"])) and not verdict.success
+    assert answer(CodeWorld(sizes=SIZES, reward="binary"), task, table)[1].reward == 0.0
+
+
+def test_a_bare_body_is_completed_with_the_signature(world):
+    task = world.tasks("eval")[0]
+    body = task.oracle_texts()[0].split("\n", 2)[2].rsplit("```", 1)[0]
+    program = assemble(body, task.meta["entry_point"], task.meta["signature"])
+    assert program.startswith(task.meta["signature"])
+    assert answer(world, task, body)[1].success
+
+
+def test_multi_turn_feeds_back_failing_tests_then_scores_the_last_answer():
+    env = CodeWorld(sizes=SIZES, attempts=2)
+    task = env.tasks("eval")[0]
+    episode = env.reset(task)
+    first = episode.step(FinalAnswer(fence(f"def {task.meta['entry_point']}(*args):\n"
+                                           "    return 'wrong'")))
+    assert not first.done and first.info["role"] == "user"
+    assert "returned \"wrong\", expected" in first.observation
+    second = episode.step(FinalAnswer(task.oracle_texts()[0]))
+    assert second.done and second.reward == 1.0 and episode.verify().success
+
+
+def test_transcript_view_skips_scoring(world):
+    task = world.tasks("train")[0]
+    view = world.for_transcripts()
+    result = view.reset(task).step(FinalAnswer(task.oracle_texts()[0]))
+    assert result.done and result.info["status"] == "not scored"
+    assert world.score and world.tasks("train")[0] is task
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="unknown codeworld split"):
+        CodeWorld(sizes={"test": 3})
+    with pytest.raises(ValueError, match="reward must be one of"):
+        CodeWorld(reward="most")
+    with pytest.raises(ValueError, match="unknown codeworld split"):
+        CodeWorld(sizes=SIZES).tasks("dev")
+
+
+# -- HumanEval --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def humaneval():
+    return get_env("humaneval")
+
+
+def _scores(env, tasks, texts):
+    def score(pair):
+        task, text = pair
+        return answer(env, task, text)[1].success
+
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(score, zip(tasks, texts)))
+
+
+def test_humaneval_canonical_solutions_pass_164_of_164(humaneval):
+    tasks = humaneval.tasks("eval")
+    assert len(tasks) == 164 and tasks[0].task_id == "HumanEval/0"
+    assert sum(_scores(humaneval, tasks, [t.oracle_texts()[0] for t in tasks])) == 164
+
+
+def test_humaneval_junk_answers_pass_0_of_164(humaneval):
+    tasks = humaneval.tasks("eval")
+    junk = [JUNK[i % len(JUNK)] for i in range(len(tasks))]
+    assert sum(_scores(humaneval, tasks, junk)) == 0
+
+
+def test_humaneval_prompt_is_the_usual_one(humaneval):
+    task = humaneval.tasks("eval")[0]
+    messages = humaneval.reset(task).messages()
+    assert [m["role"] for m in messages] == ["user"]
+    assert messages[0]["content"].startswith("Complete the following Python function:\n```python\n")
+    # A body-only completion (the classic HumanEval format) also runs.
+    body = task.oracle_texts()[0][len("```python\n") + len(task.meta["prompt"]):-len("\n```")]
+    assert answer(humaneval, task, body)[1].success
