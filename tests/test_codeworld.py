@@ -178,3 +178,43 @@ def test_humaneval_prompt_is_the_usual_one(humaneval):
     # A body-only completion (the classic HumanEval format) also runs.
     body = task.oracle_texts()[0][len("```python\n") + len(task.meta["prompt"]):-len("\n```")]
     assert answer(humaneval, task, body)[1].success
+
+
+# -- the CLI ------------------------------------------------------------------------------------
+
+SMALL_CODE = ["--set", "env.eval_size=8", "--set", "env.train_size=8", "--set",
+              "env.pretrain_size=0"]
+
+
+@pytest.mark.parametrize("env_name", ["codeworld", "humaneval"])
+def test_cli_eval_oracle_prints_and_writes_pass_at_1(env_name, tmp_path, capsys):
+    from lopd.cli import main
+
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--env", env_name, "--agent", "oracle", "--limit", "6", "--json",
+                 str(out), *SMALL_CODE]) == 0
+    figures = json.loads(out.read_text())
+    assert figures["pass_at_k"] == {"pass@1": 1.0} and figures["episodes"] == 6
+    assert "pass@1 1.0000" in capsys.readouterr().out
+
+
+def test_cli_eval_model_on_codeworld_and_samples_need_sampling(tmp_path, capsys):
+    from lopd.cli import main
+
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--env", "codeworld", "--limit", "4", "--samples", "2", "--set",
+                 "rollout.eval_temperature=1.0", "--json", str(out), *SMALL_CODE]) == 0
+    figures = json.loads(out.read_text())
+    assert figures["episodes"] == 8 and set(figures["pass_at_k"]) == {"pass@1"}
+    assert 0.0 <= figures["pass_at_k"]["pass@1"] <= 1.0
+    assert main(["eval", "--env", "codeworld", "--samples", "3", *SMALL_CODE]) == 2
+    assert "needs sampling" in capsys.readouterr().err
+
+
+def test_cli_tasks_for_codeworld(tmp_path, capsys):
+    from lopd.cli import main
+
+    assert main(["tasks", "--env", "codeworld", "--split", "eval", "--out",
+                 str(tmp_path / "t.jsonl"), *SMALL_CODE]) == 0
+    assert len((tmp_path / "t.jsonl").read_text().splitlines()) == 8
+    assert "templates_without_train_problems" in capsys.readouterr().out

@@ -163,3 +163,11 @@ def test_run_many_runs_in_parallel_and_keeps_order():
 
 def test_outcome_defaults():
     assert Outcome(True).error == "" and Report("completed", [], "", False, 0.0).fraction == 0.0
+
+
+def test_each_run_gets_a_fresh_work_directory_that_is_removed():
+    program = "import os\nopen('scratch.txt', 'w').write('x')\nprint(os.getcwd())\n" + ADD
+    first, second = run(program, TESTS, FAST), run(program, TESTS, FAST)
+    assert first.all_passed and second.all_passed
+    assert first.output != second.output
+    assert not os.path.exists(first.output.strip()) and not os.path.exists(second.output.strip())

@@ -534,6 +534,16 @@ def run_episodes(env: Environment, tasks: list[Task], policy: Policy, tokenizer,
     return results
 
 
+def rollout_episodes(env: Environment, tasks: list[Task], policy: Policy, tokenizer, rollout,
+                     batch_size: int | None = None, progress: bool = False) -> list[Rollout]:
+    """:func:`run_episodes` with a config's ``rollout`` settings (turns, tokens per turn, batch),
+    allowing at least the environment's own turn budget (multi-turn benchmarks, code attempts)."""
+    return run_episodes(env, tasks, policy, tokenizer,
+                        max_turns=max(rollout.max_turns, env.max_episode_turns),
+                        max_new_tokens=rollout.max_completion_length,
+                        batch_size=batch_size or rollout.batch_size, progress=progress)
+
+
 def summarize(rollouts: list[Rollout]) -> dict:
     """Headline figures of a set of rollouts, overall and per domain (what ``lopd eval`` prints)."""
     if not rollouts:

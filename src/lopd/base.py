@@ -17,6 +17,7 @@ have room to improve it. ``build_base`` does the whole job from a seed:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -29,7 +30,7 @@ import torch
 from tqdm.auto import tqdm
 
 from lopd import models, runtime
-from lopd.agent import ModelPolicy, OraclePolicy, Rollout, run_episodes, summarize
+from lopd.agent import ModelPolicy, OraclePolicy, Rollout, rollout_episodes, summarize
 from lopd.config import Config
 from lopd.envs import get_env
 from lopd.rollout import SamplingParams, TransformersEngine
@@ -38,10 +39,8 @@ from lopd.teacher import ScoringBatch, action_logits
 
 def oracle_rollouts(env, tasks, tokenizer, cfg: Config, progress: bool = True) -> list[Rollout]:
     """Oracle transcripts through the real agent loop (token ids + action masks included)."""
-    return run_episodes(env, tasks, OraclePolicy(), tokenizer,
-                        max_turns=cfg.rollout.max_turns,
-                        max_new_tokens=cfg.rollout.max_completion_length,
-                        batch_size=256, progress=progress)
+    return rollout_episodes(env, tasks, OraclePolicy(), tokenizer, cfg.rollout, batch_size=256,
+                            progress=progress)
 
 
 def tokenizer_corpus(env, tasks, max_texts: int = 5000) -> list[str]:
@@ -86,10 +85,8 @@ def greedy_success(model, tokenizer, env, tasks, cfg: Config, device) -> dict:
     model.eval()
     engine = TransformersEngine(model, tokenizer)
     params = SamplingParams(temperature=0.0, max_new_tokens=cfg.rollout.max_completion_length)
-    rollouts = run_episodes(env, tasks, ModelPolicy(engine, tokenizer, params), tokenizer,
-                            max_turns=cfg.rollout.max_turns,
-                            max_new_tokens=cfg.rollout.max_completion_length,
-                            batch_size=cfg.rollout.batch_size)
+    rollouts = rollout_episodes(env, tasks, ModelPolicy(engine, tokenizer, params), tokenizer,
+                                cfg.rollout)
     model.train()
     return summarize(rollouts)
 
@@ -136,7 +133,10 @@ class SFTData:
         if not path.exists():
             return None
         with np.load(path) as f:
-            if json.loads(str(f["meta"])) != meta:
+            saved = json.loads(str(f["meta"]))
+            if "pool_digest" not in saved:  # prepared before lopd recorded the pool's digest
+                meta = {k: v for k, v in meta.items() if k != "pool_digest"}
+            if saved != meta:
                 return None
             return cls(ids=f["ids"], mask=f["mask"], offsets=f["offsets"])
 
@@ -184,13 +184,16 @@ def prepare(cfg: Config, out: Path, env, progress: bool = True):
             "reference_fraction": cfg.base.reference_fraction, "reference_n": cfg.bank.n_ret,
             "max_observation_chars": cfg.bank.max_observation_chars, "seed": cfg.run.seed,
             "init_from": cfg.base.init_from}
+    pool = env.tasks("pretrain")[: cfg.base.pretrain_tasks]
+    # The tasks themselves, so that data prepared by an older version of an environment is rebuilt.
+    meta["pool_digest"] = hashlib.sha256(json.dumps(
+        [[t.instruction, t.oracle] for t in pool]).encode()).hexdigest()[:16]
     data_path = out / "sft_data.npz"
     if (out / "tokenizer.json").exists():
         tokenizer = models.load_tokenizer(out)
         data = SFTData.load(data_path, meta)
         if data is not None:
             return tokenizer, data
-    pool = env.tasks("pretrain")[: cfg.base.pretrain_tasks]
     if cfg.base.init_from:
         tokenizer = models.load_tokenizer(models.resolve_model_path(cfg.base.init_from))
     else:

@@ -139,10 +139,7 @@ def _pass_at_k(rollouts, samples: int) -> dict:
 def _run(env, tasks, policy, tokenizer, cfg, progress: bool):
     from lopd import agent
 
-    max_turns = max(cfg.rollout.max_turns, env.max_episode_turns)
-    return agent.run_episodes(env, tasks, policy, tokenizer, max_turns=max_turns,
-                              max_new_tokens=cfg.rollout.max_completion_length,
-                              batch_size=cfg.rollout.batch_size, progress=progress)
+    return agent.rollout_episodes(env, tasks, policy, tokenizer, cfg.rollout, progress=progress)
 
 
 def _write_episodes(path: Path, rollouts) -> None:

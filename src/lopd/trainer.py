@@ -30,7 +30,7 @@ import yaml
 from tqdm.auto import tqdm
 
 from lopd import models, runtime
-from lopd.agent import ModelPolicy, Rollout, run_episodes, summarize
+from lopd.agent import ModelPolicy, Rollout, rollout_episodes, summarize
 from lopd.config import Config, ConfigError
 from lopd.envs import get_env
 from lopd.envs.base import Task
@@ -372,9 +372,9 @@ class Trainer:
                                 max_new_tokens=cfg.max_completion_length, seed=seed)
         self.ctx.student.eval()
         with torch.no_grad():
-            return run_episodes(self.env, tasks, ModelPolicy(self.engine, self.ctx.tokenizer, params),
-                                self.ctx.tokenizer, cfg.max_turns, cfg.max_completion_length,
-                                cfg.batch_size)
+            return rollout_episodes(self.env, tasks,
+                                    ModelPolicy(self.engine, self.ctx.tokenizer, params),
+                                    self.ctx.tokenizer, cfg)
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Greedy (rollout.eval_temperature) episodes on the held-out tasks."""

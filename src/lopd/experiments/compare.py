@@ -126,9 +126,7 @@ def evaluate_base(cfg: Config, out: Path) -> dict:
     params = SamplingParams(temperature=cfg.rollout.eval_temperature, top_p=cfg.rollout.top_p,
                             top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_completion_length)
     policy = agent.ModelPolicy(TransformersEngine(model.eval(), tokenizer), tokenizer, params)
-    rollouts = agent.run_episodes(env, tasks, policy, tokenizer, cfg.rollout.max_turns,
-                                  cfg.rollout.max_completion_length, cfg.rollout.batch_size,
-                                  progress=True)
+    rollouts = agent.rollout_episodes(env, tasks, policy, tokenizer, cfg.rollout, progress=True)
     summary = agent.summarize(rollouts)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary, indent=1))

@@ -78,8 +78,7 @@ def run(cfg: Config, bank_tasks: int = 600, cold_start_steps: int = 60, lopd_ste
     r = cfg.rollout
 
     def episodes(tasks, policy, progress=True):
-        return agent.run_episodes(env, tasks, policy, tokenizer, r.max_turns,
-                                  r.max_completion_length, r.batch_size, progress=progress)
+        return agent.rollout_episodes(env, tasks, policy, tokenizer, r, progress=progress)
 
     def model_policy(temperature: float):
         params = SamplingParams(temperature=temperature, top_p=r.top_p, top_k=r.top_k,

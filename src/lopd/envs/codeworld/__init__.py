@@ -9,14 +9,15 @@ Single-turn by default; ``attempts > 1`` returns the failing tests as feedback a
 try again.
 
 Splits: ``eval`` (500), ``train`` (7,000, the paper's count of verified training problems) and
-``pretrain`` (20,000: the supervised pool of the code base model). **Held-out statements**: a
-statement (template + drawn parameters, e.g. "keep the numbers divisible by 3") belongs to the
-evaluation side when a seeded hash puts it there (a quarter of all statements); ``eval`` draws
-only those, ``train`` and ``pretrain`` never do. So an evaluation problem never asks for a
-function that training asked for: solving it needs reading the parameters out of the statement,
-not recall. A template with few statements can fall wholly on one side; :meth:`CodeWorld.stats`
-names the templates without training problems. Within the training side, ``train`` and
-``pretrain`` share no instance (statement + tests).
+``pretrain`` (20,000: the supervised pool of the code base model). **Statements are split, not just
+instances**: a statement (template + drawn parameters, e.g. "keep the numbers divisible by 3")
+belongs to one split, chosen by a seeded hash (a quarter to eval, a quarter to train, half to
+pretrain). So neither an evaluation problem nor a training problem asks for a function the base
+model was fine-tuned on: solving them needs reading the parameters out of the statement, not
+recall, and the base's validation on training problems (which stops its fine-tuning) measures the
+same skill as the evaluation. A template with few statements can fall wholly into one split;
+:meth:`CodeWorld.stats` names the evaluation templates without training or pre-training
+problems.
 
 Every problem is verified when its split is built: the reference solutions of a split run against
 their tests in the sandbox (batched, a few hundred problems per child process) and a problem
@@ -39,8 +40,8 @@ from lopd.envs.sandbox import Limits, run_many
 
 DEFAULT_SIZES = {"pretrain": 20_000, "train": 7_000, "eval": 500}
 GENERATION_ORDER = ("eval", "train", "pretrain")
-EVAL_SHARE = 4
-"""One statement in EVAL_SHARE is held out for evaluation."""
+SIDES = ("eval", "train", "pretrain", "pretrain")
+"""The split of a statement is SIDES[hash % 4]."""
 SYSTEM_PROMPT = "You write Python functions. Answer with the function in a ```python block."
 EVAL_TEMPLATE_SHARE = 2
 MAX_DRAWS_PER_PROBLEM = 40
@@ -68,9 +69,10 @@ def assemble(code: str, entry_point: str, signature: str) -> str:
     return signature + "\n" + textwrap.indent(code, "    ")
 
 
-def _eval_side(seed: int, template: str, statement: str) -> bool:
+def statement_split(seed: int, template: str, statement: str) -> str:
+    """The one split a statement belongs to (a seeded hash, so it never depends on sizes)."""
     digest = hashlib.sha256(f"{seed}|{template}|{statement}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") % EVAL_SHARE == 0
+    return SIDES[int.from_bytes(digest[:8], "big") % len(SIDES)]
 
 
 class CodeWorld(Environment):
@@ -113,7 +115,7 @@ class CodeWorld(Environment):
     def _generate(self, split: str) -> None:
         want = self.sizes[split]
         problems: list[tuple[Problem, int]] = []
-        # eval first asks for a new statement each time, then (when a template's held-out
+        # eval first asks for a new statement each time, then (when a template's evaluation
         # statements run out) for new instances of them; no template takes more than
         # EVAL_TEMPLATE_SHARE times its fair share, so big families do not crowd out the others.
         cap = EVAL_TEMPLATE_SHARE * want // len(TEMPLATES) + 1
@@ -134,8 +136,8 @@ class CodeWorld(Environment):
                 key = json.dumps([problem.template, problem.statement, problem.tests])
                 new = (key not in self._keys and (
                     distinct == "instance" or (problem.template, problem.statement) not in seen))
-                if new and _eval_side(self.seed, problem.template,
-                                      problem.statement) == (split == "eval"):
+                if new and statement_split(self.seed, problem.template,
+                                           problem.statement) == split:
                     self._keys.add(key)
                     seen.add((problem.template, problem.statement))
                     problems.append((problem, seed))
@@ -205,8 +207,9 @@ class CodeWorld(Environment):
             "statements": len({(t.meta["template"], t.meta["statement"]) for t in tasks}),
             "dropped_by_verification": self.dropped.get(split, 0)}
         if split == "eval":
-            train = {t.meta["template"] for t in self.tasks("train")}
-            stats["templates_without_train_problems"] = sorted(set(templates) - train)
+            for other in ("train", "pretrain"):
+                seen = {t.meta["template"] for t in self.tasks(other)}
+                stats[f"templates_without_{other}_problems"] = sorted(set(templates) - seen)
         return stats
 
     def transcript(self, task: Task) -> list[dict]:
