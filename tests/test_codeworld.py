@@ -85,9 +85,15 @@ def test_reference_solutions_score_one_and_junk_scores_zero(world):
     with ThreadPoolExecutor(2) as pool:
         verdicts = list(pool.map(gold, tasks))
     assert all(v.success and v.reward == 1.0 for v in verdicts)
-    for text in JUNK:
-        result, verdict = answer(world, tasks[0], text)
-        assert result.done and verdict.reward == 0.0 and not verdict.success
+
+    def junk(pair):
+        task, text = pair
+        return answer(world, task, text)
+
+    pairs = [(task, JUNK[i % len(JUNK)]) for i, task in enumerate(world.tasks("eval"))]
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(junk, pairs))
+    assert all(r.done and v.reward == 0.0 and not v.success for r, v in results)
 
 
 def test_partial_answers_get_the_fraction_or_nothing_when_binary(world):

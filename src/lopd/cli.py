@@ -325,6 +325,7 @@ def cmd_bank_build(args) -> int:
     from lopd.experience import ExperienceBank, spec_from_config
 
     cfg = _config_for_env(args)
+    args.model = args.model or cfg.model.name_or_path
     if args.split != "train":
         raise ValueError(f"--split {args.split}: only training-split tasks may enter the "
                          "experience bank")
@@ -484,6 +485,7 @@ def cmd_cold_start(args) -> int:
     from lopd.experience import ExperienceBank
 
     cfg = load_config(args.config, args.overrides)
+    args.model = args.model or cfg.model.name_or_path
     device = runtime.setup(cfg.run)
     out = Path(args.out)
     model, tokenizer = models.load_model(args.model, device=device,
@@ -693,7 +695,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "experiences, maximises the likelihood of each stored success; then print "
                        "the teacher's NLL on held-out successes with no reference, retrieved "
                        "latents, random experiences' latents and the raw traces as text.")
-    p.add_argument("--model", default="tiny", help="the frozen base (folder, or 'tiny')")
+    p.add_argument("--model", help="the frozen base (folder, 'tiny' or 'tiny-code'); default: "
+                   "the config's model.name_or_path")
     p.add_argument("--bank", required=True, help="experience bank folder (lopd bank build)")
     p.add_argument("--out", required=True, help="folder to write the composer to")
     _add_config_args(p)
@@ -771,7 +774,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "store the rollouts whose reward reaches bank.reward_threshold in BANK "
                         "(created with the config's bank section if it does not exist).")
     p.add_argument("--out", required=True, metavar="BANK", help="bank folder (created or extended)")
-    p.add_argument("--model", default="tiny", help="model folder, or 'tiny' (embedded default)")
+    p.add_argument("--model", help="model folder, 'tiny' or 'tiny-code'; default: the config's "
+                   "model.name_or_path")
     p.add_argument("--agent", default="model", choices=["model", "oracle"],
                    help="who acts: the model, or the oracle solution (a reference bank)")
     p.add_argument("--env", default="toolworld", help="environment (default: toolworld)")
