@@ -12,8 +12,8 @@ import argparse
 import json
 import time
 
-from lopd.envs.codeworld import CodeWorld, assemble, call_text
 from lopd.envs.codegen import extract_code
+from lopd.envs.codeworld import CodeWorld, assemble, call_text
 from lopd.envs.sandbox import run_many
 
 

@@ -9,7 +9,7 @@ import pytest
 from lopd.envs import get_env
 from lopd.envs.base import FinalAnswer, Malformed
 from lopd.envs.codegen import extract_code, fence, pass_at_k
-from lopd.envs.codeworld import CodeWorld, assemble, call_text
+from lopd.envs.codeworld import CodeWorld, assemble
 from lopd.envs.codeworld.problems import TEMPLATES, expected_values
 
 SIZES = {"eval": 24, "train": 60, "pretrain": 20}

@@ -144,7 +144,8 @@ def test_the_secret_cannot_be_read():
                "attempt(lambda: sys.stdin.read())\n"
                "attempt(lambda: [os.read(fd, 4096) for fd in range(64) if fd not in (1, 2)"
                " and os.path.exists(f'/dev/fd/{fd}')])\n"
-               "attempt(lambda: [repr(f.f_locals) for f in [sys._getframe(i) for i in range(1, 4)]])\n"
+               "attempt(lambda: [repr(f.f_locals)\n"
+               "                 for f in [sys._getframe(i) for i in range(1, 4)]])\n"
                "attempt(lambda: __import__('gc').get_objects())\n"
                "print('\\n'.join(found))\n" + ADD)
     report = run(program, TESTS, FAST)

@@ -1,8 +1,9 @@
 """Run untrusted, model-written Python against tests, in a confined child process.
 
 Each run gets a fresh temporary work directory (removed afterwards), a new process group and a
-new interpreter (``python -I -S -B -u``: no site-packages, no environment, no bytecode writes, unbuffered output) running
-:mod:`lopd.envs.sandbox_harness`, which confines itself before it reads the program: memory, CPU,
+new interpreter (``python -I -S -B -u``: no site-packages, no environment, no bytecode writes,
+unbuffered output) running :mod:`lopd.envs.sandbox_harness`, which confines itself before it
+reads the program: memory, CPU,
 file-size and open-file limits, no child processes or threads, no network where the kernel allows
 a private network namespace (it does for root and for unprivileged user namespaces; elsewhere the
 harness's audit hook still refuses to create sockets), and, as root, the unprivileged ``nobody``

@@ -110,7 +110,7 @@ def install_guard(secret: str, verdict_fd: int, finish_code, workdir: str) -> No
             while data:
                 data = data[write(verdict_fd, data):]
             return
-        if event in BLOCKED_EVENTS or event.startswith("socket.") or event.startswith("ctypes."):
+        if event in BLOCKED_EVENTS or event.startswith(("socket.", "ctypes.")):
             raise RuntimeError(f"blocked in the sandbox: {event}")
         if event == "import" and args[0].split(".")[0] in BLOCKED_MODULES:
             raise RuntimeError(f"blocked in the sandbox: import {args[0]}")
@@ -199,7 +199,8 @@ def main() -> None:
             records.append("0" + error_name(exc))
     builtins.__dict__.clear()
     builtins.__dict__.update(clean_builtins)
-    finish(network + "\n" + str(len(records)) + "\n" + "\n".join(str(len(r)) + ":" + r for r in records))
+    finish(network + "\n" + str(len(records)) + "\n"
+           + "\n".join(str(len(r)) + ":" + r for r in records))
     os._exit(0)
 
 

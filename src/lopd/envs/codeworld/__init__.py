@@ -167,7 +167,8 @@ class CodeWorld(Environment):
         for start, report in zip(range(0, len(problems), VERIFY_CHUNK), reports):
             outcomes = iter(report.outcomes)
             for problem, seed in problems[start:start + VERIFY_CHUNK]:
-                if all([next(outcomes).passed for _ in problem.tests]):
+                # A list, not a generator: every outcome of this problem must be consumed.
+                if all([next(outcomes).passed for _ in problem.tests]):  # noqa: C419
                     kept.append((problem, seed))
         self.dropped[split] = len(problems) - len(kept)
         return kept
