@@ -85,10 +85,12 @@ def confine(limits: dict, workdir: str) -> str:
 def install_guard(secret: str, verdict_fd: int, finish_code, workdir: str) -> None:
     """Block what a program must not do, and hold the secret for the one verdict ``finish`` sends.
 
-    Everything the hook uses is bound here as a default or closure value, so rebinding module
-    attributes later changes nothing in it.
+    The functions the hook calls are bound here, so rebinding them on their modules later changes
+    nothing in it. Its path checks are the second line of defence for files: as root, the drop to
+    ``nobody`` already keeps the program from writing or deleting outside the work directory.
     """
-    write, getframe, realpath, sep = os.write, sys._getframe, os.path.realpath, os.sep
+    write, getframe, realpath, fsdecode = os.write, sys._getframe, os.path.realpath, os.fsdecode
+    sep = os.sep
     root = realpath(workdir) + sep
     state = {"sent": False}
 
@@ -96,7 +98,7 @@ def install_guard(secret: str, verdict_fd: int, finish_code, workdir: str) -> No
         if isinstance(path, int):
             return False
         try:
-            path = os.fsdecode(path)
+            path = fsdecode(path)
         except TypeError:
             return False
         return realpath(path).startswith(root)
@@ -118,7 +120,7 @@ def install_guard(secret: str, verdict_fd: int, finish_code, workdir: str) -> No
             path, mode, flags = args
             if isinstance(path, int):
                 raise RuntimeError("blocked in the sandbox: opening a file descriptor")
-            text = os.fsdecode(path) if isinstance(path, (str, bytes)) else ""
+            text = fsdecode(path) if isinstance(path, (str, bytes)) else ""
             if realpath(text).startswith("/proc"):
                 raise RuntimeError("blocked in the sandbox: /proc")
             writing = (any(c in (mode or "") for c in "wax+")
@@ -127,7 +129,7 @@ def install_guard(secret: str, verdict_fd: int, finish_code, workdir: str) -> No
                 raise RuntimeError("blocked in the sandbox: writing outside the work directory")
         elif event in PATH_EVENTS:
             if event in ("os.listdir", "os.scandir"):
-                if args and realpath(os.fsdecode(args[0] or ".")).startswith("/proc"):
+                if args and realpath(fsdecode(args[0] or ".")).startswith("/proc"):
                     raise RuntimeError("blocked in the sandbox: /proc")
                 return
             if not all(inside(a) for a in args[:2] if isinstance(a, (str, bytes, os.PathLike))):
