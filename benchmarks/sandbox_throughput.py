@@ -13,7 +13,7 @@ import json
 import time
 
 from lopd.envs.codegen import extract_code
-from lopd.envs.codeworld import CodeWorld, assemble, call_text
+from lopd.envs.codeworld import CodeWorld, assemble, hidden_tests
 from lopd.envs.sandbox import run_many
 
 
@@ -30,9 +30,7 @@ def main() -> None:
         meta = task.meta
         program = assemble(extract_code(task.oracle_texts()[0]), meta["entry_point"],
                            meta["signature"])
-        tests = [{"call": call_text(meta["entry_point"], t["args"]), "expected": t["expected"]}
-                 for t in meta["tests"]]
-        jobs.append((program, tests))
+        jobs.append((program, hidden_tests(meta["entry_point"], meta["tests"])))
     figures = {"problems": len(jobs), "runs": []}
     for workers in args.workers:
         start = time.perf_counter()

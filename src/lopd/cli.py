@@ -120,7 +120,8 @@ def _config_for_env(args):
     """The config for ``--env``: the code environments use the tiny-code preset (the code model)
     unless ``--config`` names another."""
     name = "tiny-code" if args.env in CODE_ENVS and args.config == "tiny" else args.config
-    return load_config(name, [f"env.name={args.env}", *args.overrides])
+    env = [f"env.name={args.env}"] if args.env else []
+    return load_config(name, [*env, *args.overrides])
 
 
 def _pass_at_k(rollouts, samples: int) -> dict:
@@ -297,12 +298,7 @@ def _composer_policy(args, cfg, device):
 def cmd_base(args) -> int:
     from lopd.base import build_base
 
-    overrides = list(args.overrides)
-    if args.env:
-        if args.env == "codeworld" and args.config == "tiny":
-            args.config = "tiny-code"
-        overrides.insert(0, f"env.name={args.env}")
-    cfg = load_config(args.config, overrides)
+    cfg = _config_for_env(args)
     result = build_base(cfg, args.out, resume=args.resume)
     print(key_value_table(result, title=f"base model -> {args.out}"))
     write_json(args.json_path, result)

@@ -54,6 +54,11 @@ def call_text(entry_point: str, args: list) -> str:
     return f"{entry_point}({', '.join(repr(a) for a in args)})"
 
 
+def hidden_tests(callee: str, tests: list[dict]) -> list[dict]:
+    """The sandbox's ``call`` tests of a problem's stored tests, calling ``callee``."""
+    return [{"call": call_text(callee, t["args"]), "expected": t["expected"]} for t in tests]
+
+
 def prompt(problem_or_meta) -> str:
     meta = problem_or_meta if isinstance(problem_or_meta, dict) else vars(problem_or_meta)
     example = meta["tests"][-1]
@@ -158,9 +163,8 @@ class CodeWorld(Environment):
             chunk = problems[start:start + VERIFY_CHUNK]
             program = "".join(f"_p{i} = {{}}\nexec({p.solution!r}, _p{i})\n"
                               for i, (p, _) in enumerate(chunk))
-            tests = [{"call": call_text(f"_p{i}[{p.entry_point!r}]", t["args"]),
-                      "expected": t["expected"]}
-                     for i, (p, _) in enumerate(chunk) for t in p.tests]
+            tests = [test for i, (p, _) in enumerate(chunk)
+                     for test in hidden_tests(f"_p{i}[{p.entry_point!r}]", p.tests)]
             jobs.append((program, tests))
         reports = run_many(jobs, Limits(wall_seconds=120, test_seconds=5, cpu_seconds=120))
         kept = []
@@ -185,8 +189,7 @@ class CodeWorld(Environment):
 
     def reset(self, task: Task) -> CodeEpisode:
         meta = task.meta
-        tests = [{"call": call_text(meta["entry_point"], t["args"]), "expected": t["expected"]}
-                 for t in meta["tests"]]
+        tests = hidden_tests(meta["entry_point"], meta["tests"])
         messages = [{"role": "system", "content": SYSTEM_PROMPT},
                     {"role": "user", "content": task.instruction}]
         return CodeEpisode(task, messages,
@@ -223,4 +226,4 @@ class CodeWorld(Environment):
         return [self.transcript(t) for t in tasks[:n]]
 
 
-__all__ = ["CodeWorld", "assemble", "call_text", "extract_code", "prompt"]
+__all__ = ["CodeWorld", "assemble", "call_text", "extract_code", "hidden_tests", "prompt"]
