@@ -111,14 +111,16 @@ def test_without_the_margin_the_teacher_collapses_onto_the_student(inputs, tmp_p
     free = _deltas_on_a_fixed_batch(inputs, tmp_path / "free", 10,
                                     **{"lopd.dual_lr": 0.0, "lopd.dual_init": 0.0})
     held = _deltas_on_a_fixed_batch(inputs, tmp_path / "held", 10,
-                                    **{"lopd.dual_lr": 0.5, "lopd.dual_init": 2.0,
+                                    **{"lopd.dual_lr": 0.5, "lopd.dual_init": 5.0,
                                        "lopd.margin": 8.0})
     assert free[0] == pytest.approx(held[0]) and free[0] > 5
-    late = sum(free[-3:]) / 3
+    late, late_held = sum(free[-3:]) / 3, sum(held[-3:]) / 3
     # KL_φ alone pulls the teacher onto the student: the privilege shrinks ...
-    assert late < free[0] - 0.15
-    # ... while the margin term (Δ < m, so β > 0) keeps it from shrinking.
-    assert sum(held[-3:]) / 3 > held[0] > late
+    assert late < free[0] - 0.5
+    # ... while the margin term (Δ < m, so β > 0) holds it where it started. (It cannot climb
+    # much: the teacher already gives the oracle's actions nearly all its mass, so Δ is close to
+    # its ceiling, −log π_S of the random student.)
+    assert late_held > held[0] - 0.2 and late_held > late + 0.5
 
 
 def _metrics(run_dir):
