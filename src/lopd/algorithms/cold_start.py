@@ -25,7 +25,7 @@ from lopd.agent import Rollout
 from lopd.composer import Composer
 from lopd.latent import ReferenceFormat
 from lopd.losses import per_row_mean
-from lopd.teacher import action_logits, scoring_batch
+from lopd.teacher import ActionLogits, action_logits, scoring_batch
 
 
 def retrieve_traces(bank, rollouts: Sequence[Rollout], n_ret: int,
@@ -61,20 +61,33 @@ def teacher_nll(composer: Composer, rollouts: Sequence[Rollout], fmt: ReferenceF
     ``mode``: ``"none"`` (no reference), ``"latent"`` (composed latents of ``traces``) or
     ``"text"`` (the traces themselves as text in the reference block).
     """
-    tokenizer = composer.tokenizer
     latents = blocks = None
     if mode == "latent":
         latents = composer.encode([r.instruction for r in rollouts], [list(t) for t in traces])
-        blocks = [fmt.latent_block(latents.size(1))] * len(rollouts)
     elif mode == "text":
-        blocks = [fmt.text_block(tokenizer, t) for t in traces]
+        blocks = [fmt.text_block(composer.tokenizer, t) for t in traces]
     elif mode != "none":
         raise ValueError(f"unknown reference mode {mode!r}; modes: none, latent, text")
-    batch = scoring_batch([r.input_ids for r in rollouts], [r.action_mask for r in rollouts],
-                          tokenizer.pad_token_id, blocks, fmt).to(composer.base.device)
-    with composer.teacher() as teacher:
-        scored = action_logits(teacher, batch, latents, fmt.latent_id)
+    scored = teacher_pass(composer, rollouts, fmt, latents=latents, blocks=blocks)
     return per_row_mean(-scored.token_logprobs(), scored.rows, len(rollouts))[0]
+
+
+def teacher_pass(composer: Composer, rollouts: Sequence[Rollout], fmt: ReferenceFormat,
+                 latents: torch.Tensor | None = None,
+                 blocks: Sequence[Sequence[int]] | None = None) -> ActionLogits:
+    """The frozen teacher (adapter off) scoring each rollout's action tokens with a reference block.
+
+    With ``latents`` (B, n_ret·K, d) the block is n_ret·K sentinels and the latents are spliced over
+    them, keeping the graph to the composer; with ``blocks`` (token ids per rollout, e.g. traces as
+    text) those are inserted; with neither the teacher reads the rollout as the student did.
+    The one teacher pass of both the cold start and the LOPD step.
+    """
+    if latents is not None:
+        blocks = [fmt.latent_block(latents.size(1))] * len(rollouts)
+    batch = scoring_batch([r.input_ids for r in rollouts], [r.action_mask for r in rollouts],
+                          composer.tokenizer.pad_token_id, blocks, fmt).to(composer.base.device)
+    with composer.teacher() as teacher:
+        return action_logits(teacher, batch, latents, fmt.latent_id)
 
 
 def cold_start(composer: Composer, bank, successes: Sequence[Rollout], cfg, n_ret: int,

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from lopd import losses, models
-from lopd.algorithms.cold_start import retrieve_traces
+from lopd.algorithms.cold_start import retrieve_traces, teacher_pass
 from lopd.composer import Composer
 from lopd.experience import ExperienceBank
 from lopd.latent import ReferenceFormat
@@ -110,19 +110,14 @@ class LOPD(Algorithm):
         times["time/composer"] = time.perf_counter() - clock
         clock = time.perf_counter()
 
-        ids = [r.input_ids for r in rollouts]
-        masks = [r.action_mask for r in rollouts]
-        pad = ctx.tokenizer.pad_token_id
-        block = self.fmt.latent_block(latents.size(1))
-        teacher_batch = scoring_batch(ids, masks, pad, [block] * len(rollouts), self.fmt)
-        with self.composer.teacher() as teacher:
-            scored_t = action_logits(teacher, teacher_batch.to(ctx.device), latents,
-                                     self.fmt.latent_id)
+        scored_t = teacher_pass(self.composer, rollouts, self.fmt, latents=latents)
         teacher_lp = torch.log_softmax(scored_t.logits.float(), dim=-1)
         times["time/teacher"] = time.perf_counter() - clock
         clock = time.perf_counter()
 
-        scored_s = action_logits(ctx.student, scoring_batch(ids, masks, pad).to(ctx.device))
+        plain = scoring_batch([r.input_ids for r in rollouts], [r.action_mask for r in rollouts],
+                              ctx.tokenizer.pad_token_id)
+        scored_s = action_logits(ctx.student, plain.to(ctx.device))
         if not torch.equal(scored_s.targets, scored_t.targets):
             raise RuntimeError("teacher and student action tokens do not line up")
         student_lp = torch.log_softmax(scored_s.logits.float(), dim=-1)
