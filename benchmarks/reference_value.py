@@ -54,9 +54,7 @@ def main() -> None:
     model, tokenizer = models.load_model(args.model)
     model.eval()
     engine = TransformersEngine(model, tokenizer)
-    sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                              top_k=cfg.rollout.top_k,
-                              max_new_tokens=cfg.rollout.max_completion_length, seed=args.seed)
+    sampling = SamplingParams.from_config(cfg.rollout, cfg.rollout.temperature, args.seed)
     policy = agent.ModelPolicy(engine, tokenizer, sampling)
     held = [r for r in agent.rollout_episodes(env, tasks, policy, tokenizer, cfg.rollout)
             if r.success]
@@ -78,25 +76,13 @@ def main() -> None:
             rest = [e for t, es in by_template.items() if t != template[r.task_id] for e in es]
             same.append([e.trace for e in rng.sample(own, min(n_ret, len(own)))])
             other.append([e.trace for e in rng.sample(rest, n_ret)])
-        kinds = {"none": None, "retrieved": [[h.entry.trace for h in found] for found in hits],
+        kinds = {"retrieved": [[h.entry.trace for h in found] for found in hits],
                  "same template": same, "other template": other}
-        tokens = torch.tensor([sum(r.action_mask) for r in held], dtype=torch.float64)
-
-        def nll(traces, mode: str) -> float:
-            rows = []
-            with torch.no_grad():
-                for i in range(0, len(held), 8):
-                    part = traces[i:i + 8] if traces is not None else None
-                    rows.append(cs.teacher_nll(composer, held[i:i + 8], fmt, part, mode).double())
-            per_row = torch.cat(rows)
-            return float((per_row * tokens).sum() / tokens.sum())
-
-        table = {}
+        none = cs.mean_teacher_nll(composer, held, fmt, None, "none")
+        table = {"none": {"text": none, "latents": none}}
         for name, traces in kinds.items():
-            if traces is None:
-                table[name] = {"text": nll(None, "none"), "latents": nll(None, "none")}
-            else:
-                table[name] = {"text": nll(traces, "text"), "latents": nll(traces, "latent")}
+            table[name] = {"text": cs.mean_teacher_nll(composer, held, fmt, traces, "text"),
+                           "latents": cs.mean_teacher_nll(composer, held, fmt, traces, "latent")}
     print(f"{len(held)} held-out successes of {args.model}; retrieved entries sharing the query's "
           f"template: {shared}/{n_ret * len(held)}")
     print(format_table(["reference", "NLL, as text", "NLL, as latents", "text vs none"],

@@ -275,8 +275,7 @@ def _sampling(cfg, temperature: float):
     """Sampling settings of the config's rollout section at ``temperature``, seeded by run.seed."""
     from lopd.rollout import SamplingParams
 
-    return SamplingParams(temperature=temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                          max_new_tokens=cfg.rollout.max_completion_length, seed=cfg.run.seed)
+    return SamplingParams.from_config(cfg.rollout, temperature, cfg.run.seed)
 
 
 def _composer_policy(args, cfg, device):

@@ -368,8 +368,7 @@ class Trainer:
 
     def rollouts(self, tasks: list[Task], temperature: float, seed: int | None) -> list[Rollout]:
         cfg = self.cfg.rollout
-        params = SamplingParams(temperature=temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                max_new_tokens=cfg.max_completion_length, seed=seed)
+        params = SamplingParams.from_config(cfg, temperature, seed)
         self.ctx.student.eval()
         with torch.no_grad():
             return rollout_episodes(self.env, tasks,

@@ -154,17 +154,22 @@ def latent_information(composer: Composer, bank, rollouts: Sequence[Rollout], n_
         "empty reference block": ([[] for _ in rollouts], "text"),
     }
     composer.eval()
+    return {name: mean_teacher_nll(composer, rollouts, fmt, traces, mode, batch_size)
+            for name, (traces, mode) in conditions.items()}
+
+
+@torch.no_grad()
+def mean_teacher_nll(composer: Composer, rollouts: Sequence[Rollout], fmt: ReferenceFormat,
+                     traces: Sequence[Sequence[str]] | None, mode: str,
+                     batch_size: int = 8) -> float:
+    """:func:`teacher_nll` over all action tokens of ``rollouts`` (token-weighted), in batches."""
     tokens = torch.tensor([sum(r.action_mask) for r in rollouts], dtype=torch.float64)
-    results = {}
-    for name, (traces, mode) in conditions.items():
-        per_row = []
-        for i in range(0, len(rollouts), batch_size):
-            part = traces[i:i + batch_size] if traces is not None else None
-            per_row.append(teacher_nll(composer, rollouts[i:i + batch_size], fmt, part, mode)
-                           .double().cpu())
-        per_row = torch.cat(per_row)
-        results[name] = float((per_row * tokens).sum() / tokens.sum())
-    return results
+    per_row = []
+    for i in range(0, len(rollouts), batch_size):
+        part = traces[i:i + batch_size] if traces is not None else None
+        per_row.append(teacher_nll(composer, rollouts[i:i + batch_size], fmt, part, mode)
+                       .double().cpu())
+    return float((torch.cat(per_row) * tokens).sum() / tokens.sum())
 
 
 def save_history(history: list[dict], folder: Path, extra: dict) -> None:

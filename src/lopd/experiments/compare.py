@@ -123,8 +123,7 @@ def evaluate_base(cfg: Config, out: Path) -> dict:
                                          dtype=runtime.resolve_dtype(cfg.run.dtype, device))
     env = get_env(cfg.env.name, **cfg.env.kwargs())
     tasks = env.tasks("eval")[: cfg.train.eval_tasks or None]
-    params = SamplingParams(temperature=cfg.rollout.eval_temperature, top_p=cfg.rollout.top_p,
-                            top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_completion_length)
+    params = SamplingParams.from_config(cfg.rollout, cfg.rollout.eval_temperature)
     policy = agent.ModelPolicy(TransformersEngine(model.eval(), tokenizer), tokenizer, params)
     rollouts = agent.rollout_episodes(env, tasks, policy, tokenizer, cfg.rollout, progress=True)
     summary = agent.summarize(rollouts)

@@ -81,8 +81,7 @@ def run(cfg: Config, bank_tasks: int = 600, cold_start_steps: int = 60, lopd_ste
         return agent.rollout_episodes(env, tasks, policy, tokenizer, r, progress=progress)
 
     def model_policy(temperature: float):
-        params = SamplingParams(temperature=temperature, top_p=r.top_p, top_k=r.top_k,
-                                max_new_tokens=r.max_completion_length, seed=cfg.run.seed)
+        params = SamplingParams.from_config(r, temperature, cfg.run.seed)
         return agent.ModelPolicy(TransformersEngine(model, tokenizer), tokenizer, params)
 
     oracle = agent.summarize(episodes(eval_tasks, agent.OraclePolicy(), progress=False))

@@ -45,6 +45,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @classmethod
+    def from_config(cls, rollout_cfg, temperature: float, seed: int | None = None) -> SamplingParams:
+        """A config's ``rollout`` section (top-p, top-k, max completion length) at ``temperature``."""
+        return cls(temperature=temperature, top_p=rollout_cfg.top_p, top_k=rollout_cfg.top_k,
+                   max_new_tokens=rollout_cfg.max_completion_length, seed=seed)
+
 
 @dataclass
 class Generation:
