@@ -125,3 +125,32 @@ def test_a_time_limited_run_resumed_ends_like_an_uninterrupted_one(tmp_path):
         assert torch.allclose(x, y, atol=1e-6), name
     with pytest.raises(FileNotFoundError, match="base_checkpoint.pt"):
         base.build_base(load_config("tiny", sets), tmp_path / "none", progress=False, resume=True)
+
+
+def test_a_coded_request_sees_its_references_under_its_own_code():
+    from lopd.agent import OraclePolicy, run_episodes
+    from lopd.envs import get_env
+
+    tokenizer = models.load_tokenizer(models.resolve_model_path("tiny"))
+    env = get_env("toolworld", seed=0, sizes={"eval": 2, "train": 2, "pretrain": 120},
+                  coded_fraction=0.5)
+    tasks = env.tasks("pretrain")
+    rollouts = run_episodes(env, tasks, OraclePolicy(), tokenizer, max_turns=8,
+                            max_new_tokens=96, batch_size=60)
+    augmented = base.with_references(rollouts, tasks, tokenizer, 1.0, 3, 80, seed=0)
+    seen = {"coded": 0, "plain": 0}
+    for (ids, _), task in zip(augmented, tasks):
+        text = tokenizer.decode(ids)
+        if "Reference from a similar task" not in text:
+            continue
+        block = text.split("Reference from a similar task")[1].split("<|im_end|>")[0]
+        task_lines = [line for line in block.split("\n") if line.startswith("Task: ")]
+        assert task_lines
+        if "code" in task.meta:
+            seen["coded"] += 1
+            # every peer under this request's code, entities only, so the code is the link
+            assert all(line.startswith(f"Task: Request {task.meta['code']}: ") for line in task_lines)
+        else:
+            seen["plain"] += 1
+            assert not any(line.startswith("Task: Request ") for line in task_lines)
+    assert seen["coded"] >= 20 and seen["plain"] >= 20

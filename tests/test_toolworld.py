@@ -204,3 +204,73 @@ def test_registry():
         get_env("no-such-env")
     with pytest.raises(ValueError, match="unknown toolworld split"):
         ToolWorld(sizes={"test": 5})
+
+
+# ----------------------------------------------------------------------------------------------
+# Coded requests
+
+
+def test_coded_requests_keep_the_entities_and_hide_the_procedure():
+    from lopd.envs.toolworld import coded_request
+    assert coded_request("Cancel order O482 of customer C384.", "cedar") == \
+        "Request cedar: O482, C384."
+    assert coded_request("Change order O810 of customer C682 to quantity 5.", "glacier") == \
+        "Request glacier: O810, C682, 5."
+    assert coded_request("Book patient Lena with a dermatology doctor on thu.", "jasper") == \
+        "Request jasper: Lena, dermatology, thu."
+    assert coded_request("Client Max wants the shipment to Dublin rerouted to Cairo.", "nectar") == \
+        "Request nectar: Max, Dublin, Cairo."
+
+
+def test_coded_splits_have_the_same_tasks_and_one_code_per_template_outside_pretraining():
+    from lopd.envs.toolworld import template_codes
+    sizes = {"pretrain": 300, "train": 400, "eval": 100}
+    plain, coded = ToolWorld(seed=0, sizes=sizes), ToolWorld(seed=0, sizes=sizes, coded_fraction=0.5)
+    codes = template_codes(0)
+    assert len(set(codes.values())) == len(codes) == sum(len(d.templates) for d in DOMAINS.values())
+    assert template_codes(1) != codes                      # the codes belong to the world's seed
+    # Pre-training codes are drawn per task: a code there says nothing about the template.
+    pre = [t for t in coded.tasks("pretrain") if "code" in t.meta]
+    assert 0.35 * 300 < len(pre) < 0.65 * 300
+    meanings = {}
+    for t in pre:
+        meanings.setdefault(t.meta["code"], set()).add(t.meta["template"])
+    assert max(len(m) for m in meanings.values()) > 1
+    assert [(t.task_id, t.oracle) for t in coded.tasks("pretrain")] == \
+        [(t.task_id, t.oracle) for t in plain.tasks("pretrain")]
+    for split in ("train", "eval"):
+        n_coded = 0
+        for p, c in zip(plain.tasks(split), coded.tasks(split), strict=True):
+            assert (p.task_id, p.meta["seed"], p.oracle) == (c.task_id, c.meta["seed"], c.oracle)
+            assert instance_key(p) == instance_key(c)
+            if "code" in c.meta:
+                n_coded += 1
+                assert c.meta["code"] == codes[f"{c.domain}/{c.meta['template']}"]
+                assert c.instruction.startswith(f"Request {c.meta['code']}: ")
+                assert c.meta["plain_instruction"] == p.instruction
+                # Every id of the plain request is still there; its verb is not.
+                ids = [w for w in p.instruction.rstrip(".").split() if w[1:].isdigit()]
+                assert all(i in c.instruction for i in ids)
+                assert p.instruction.split()[0] not in c.instruction
+            else:
+                assert c == p
+        assert 0.35 * len(plain.tasks(split)) < n_coded < 0.65 * len(plain.tasks(split))
+        assert coded.stats(split)["coded"] == n_coded
+    # The oracle still solves every coded task, and reset rebuilds the coded request.
+    for task in coded.tasks("train") + coded.tasks("eval"):
+        episode, result = run_oracle(coded, task)
+        assert result.reward == 1.0, task.task_id
+        assert episode.messages()[1]["content"] == task.instruction
+    full = ToolWorld(seed=0, sizes=sizes, coded_fraction=1.0)
+    assert all("code" in t.meta for t in full.tasks("eval"))
+    with pytest.raises(ValueError, match="coded_fraction"):
+        ToolWorld(seed=0, coded_fraction=1.5)
+
+
+def test_coded_fraction_reaches_toolworld_through_the_config():
+    from lopd.config import load_config
+    cfg = load_config("tiny", ["env.coded_fraction=0.5", "env.train_size=10", "env.eval_size=4",
+                               "env.pretrain_size=5"])
+    env = get_env(cfg.env.name, **cfg.env.kwargs())
+    assert env.coded_fraction == 0.5
+    assert "coded_fraction" not in load_config("tiny").env.kwargs()

@@ -155,6 +155,18 @@ def with_references(rollouts: list[Rollout], tasks, tokenizer, fraction: float, 
 
     fmt = ReferenceFormat.for_tokenizer(tokenizer)
     rng = random.Random(seed)
+
+    def trace_for(j: int, code: str | None) -> str:
+        # A peer's trace in the form of the request it is a reference for: a coded request (see
+        # toolworld's coded requests) sees its peers under its own code, a plain one sees them plain.
+        trace = rollouts[j].compact_trace(max_observation_chars)
+        plain = tasks[j].meta.get("plain_instruction")
+        if code is None and plain is None:
+            return trace
+        from lopd.envs.toolworld import coded_request
+        request = coded_request(plain or tasks[j].instruction, code) if code else plain
+        return "\n".join([f"Task: {request}", *trace.split("\n")[1:]])
+
     by_template: dict[str, list[int]] = {}
     for i, task in enumerate(tasks):
         by_template.setdefault(f"{task.domain}/{task.meta.get('template', '')}", []).append(i)
@@ -164,7 +176,7 @@ def with_references(rollouts: list[Rollout], tasks, tokenizer, fraction: float, 
         peers = [j for j in by_template[f"{task.domain}/{task.meta.get('template', '')}"] if j != i]
         if peers and rng.random() < fraction:
             chosen = rng.sample(peers, min(n_ref, len(peers)))
-            block = fmt.text_block(tokenizer, [rollouts[j].compact_trace(max_observation_chars)
+            block = fmt.text_block(tokenizer, [trace_for(j, task.meta.get("code"))
                                                for j in chosen])
             ids, at = insert_reference(ids, block, fmt)
             mask = shift_after(mask, at, len(block), 0)

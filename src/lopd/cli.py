@@ -502,8 +502,10 @@ def cmd_cold_start(args) -> int:
             # successes are the base's most confident paths and leave a reference nothing to add.
             policy, _ = _make_policy("model", args.model, cfg, device,
                                      temperature=cfg.rollout.temperature)
-            held_out = [r for r in _run(env, eval_tasks, policy, tokenizer, cfg, progress=True)
+            attempts = [t for t in eval_tasks for _ in range(cfg.cold_start.eval_samples)]
+            held_out = [r for r in _run(env, attempts, policy, tokenizer, cfg, progress=True)
                         if r.success]
+        coded = {t.task_id for t in eval_tasks if "code" in t.meta}
 
         composer = Composer(model, tokenizer, cfg.composer)
         before = (cs.latent_information(composer, bank, held_out, n_ret, seed=cfg.run.seed)
@@ -512,7 +514,7 @@ def cmd_cold_start(args) -> int:
         history = cs.cold_start(composer, bank, successes, cfg.cold_start, n_ret, seed=cfg.run.seed)
         seconds = time.perf_counter() - start
         composer.save(out)
-        table = {}
+        table, groups = {}, {}
         if held_out:
             after = cs.latent_information(composer, bank, held_out, n_ret, seed=cfg.run.seed)
             table = {"no reference": after["no reference"],
@@ -521,12 +523,22 @@ def cmd_cold_start(args) -> int:
                      "retrieved traces as text": after["retrieved traces as text"],
                      "empty reference block (framing only)": after["empty reference block"],
                      "retrieved latents, untrained composer": before["retrieved latents"]}
+            if coded:
+                # Coded requests (toolworld) are where experience says what the instruction does
+                # not: the same table on each part.
+                for name, part in (("coded", [r for r in held_out if r.task_id in coded]),
+                                   ("plain", [r for r in held_out if r.task_id not in coded])):
+                    if part:
+                        groups[name] = {"successes": len(part), **cs.latent_information(
+                            composer, bank, part, n_ret, seed=cfg.run.seed)}
     figures = {"composer": str(out), "bank": str(args.bank), "successes": len(successes),
                "steps": len(history), "seconds": round(seconds, 1),
                "first_nll": history[0]["nll"], "final_nll": history[-1]["nll"],
-               "held_out_successes": len(held_out), "nll_per_action_token": table}
+               "held_out_successes": len(held_out), "nll_per_action_token": table,
+               "by_request_kind": groups}
     cs.save_history(history, out, {"config": cfg.to_dict(), "figures": figures})
-    print(key_value_table({k: v for k, v in figures.items() if k != "nll_per_action_token"},
+    print(key_value_table({k: v for k, v in figures.items()
+                           if k not in ("nll_per_action_token", "by_request_kind")},
                           title=f"cold start -> {out} (loss curve: {out}/cold_start.png)"))
     if table:
         plain = table["no reference"]
@@ -535,6 +547,12 @@ def cmd_cold_start(args) -> int:
         print(format_table(["teacher reference", "NLL / action token", "vs no reference"], rows,
                            title=f"teacher NLL on {len(held_out)} held-out successes "
                            f"(eval split, n_ret={n_ret})"))
+    if groups:
+        names = [n for n in next(iter(groups.values())) if n != "successes"]
+        print()
+        print(format_table(["teacher reference", *(f"{k} ({g['successes']})" for k, g in groups.items())],
+                           [[n, *(g[n] for g in groups.values())] for n in names],
+                           title="the same, by request kind (NLL / action token)"))
     write_json(args.json_path, figures)
     return 0
 

@@ -164,6 +164,10 @@ class EnvConfig:
         -1, "Tasks in the pre-training pool used only to build the base model (disjoint from "
         "train and eval); -1 = the environment's default (toolworld 30,000, codeworld 20,000).",
         ge=-1)
+    coded_fraction: float = knob(
+        0.0, "toolworld: share of the train and eval tasks whose request names its procedure only "
+        "by a per-template code word (experience then carries what the instruction does not); "
+        "the pretrain pool is never coded.", ge=0.0, le=1.0)
     code_reward: Literal["fraction", "binary"] = knob(
         "fraction", "codeworld reward: the fraction of hidden tests passed, or 1 only when all "
         "pass.")
@@ -178,6 +182,8 @@ class EnvConfig:
         kwargs = {"seed": self.seed, "sizes": sizes}
         if self.name == "codeworld":
             kwargs.update(reward=self.code_reward, attempts=self.code_attempts)
+        if self.name == "toolworld" and self.coded_fraction:
+            kwargs.update(coded_fraction=self.coded_fraction)
         return kwargs
 
 
@@ -293,6 +299,9 @@ class ColdStartConfig:
     eval_tasks: int = knob(
         200, "Held-out (eval split) tasks whose successful rollouts measure the latents' "
         "information after cold start.", ge=0)
+    eval_samples: int = knob(
+        1, "Sampled attempts per held-out task for that measurement (more attempts, more "
+        "successes to measure on; each success counts once per attempt).", ge=1)
 
 
 @dataclass

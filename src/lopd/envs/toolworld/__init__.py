@@ -21,6 +21,20 @@ only on the seed and its size, ``train`` also on the eval size, and a smaller si
 of a larger one. Each task stores its template and a seed in ``meta``; ``reset`` rebuilds the
 initial state from those, so tasks survive a round trip through JSONL.
 
+Coded requests (``coded_fraction`` > 0, off by default): a share of the train and eval tasks
+name their procedure only by a code word ("Request cedar: O482, C384."), one word per template,
+drawn from the seed. The instruction keeps the entities but not the verb or the nouns around them, so
+an agent can only guess which of its domain's procedures is wanted, while a solved task with the same
+code shows it. Pre-training tasks are coded in the same share but with a code drawn per task: the base
+learns to read a request's procedure from a reference with the same code (see
+:func:`lopd.base.with_references`), never what a code means; train and eval codes mean one template
+each, which only experience (or training) reveals. (Writing the code
+into the plain requests too was tried: the tiny base's copying breaks on any unseen words around
+the entities, plain success fell from 0.45 to 0.03-0.19.) This is the regime
+the method is for, experience that carries what the instruction does not; with plain instructions
+every procedure is named and experience adds nothing the base lacks. A coded task is the same
+instance as its plain form (the key uses the plain request), so splits stay disjoint.
+
 Task mix: the domains take turns, and each domain's templates come in proportion to their
 weights (single-call templates weigh more), so about 70% of the tasks need one or two tool calls
 and the rest three to five; about a third are reports.
@@ -34,6 +48,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from collections import Counter
 from collections.abc import Sequence
 
@@ -58,9 +73,46 @@ def system_prompt(domain: Domain) -> str:
 
 
 def instance_key(task: Task) -> str:
-    """What makes two tasks the same instance: domain, template, request and oracle actions."""
-    return json.dumps([task.domain, task.meta["template"], task.instruction, task.oracle],
+    """What makes two tasks the same instance: domain, template, request (in its plain form, so a
+    coded task is the same instance as its plain twin) and oracle actions."""
+    request = task.meta.get("plain_instruction", task.instruction)
+    return json.dumps([task.domain, task.meta["template"], request, task.oracle],
                       separators=(",", ":"))
+
+
+# Code words of coded requests: distinct English words (so that a sentence embedder tells them
+# apart) that no template, tool or entity uses.
+CODE_WORDS = (
+    "amber", "birch", "cobalt", "falcon", "garnet", "harbor", "indigo", "juniper", "kestrel",
+    "lotus", "marble", "nectar", "orchid", "pebble", "quartz", "raven", "saffron", "thistle",
+    "umber", "velvet", "willow", "yarrow", "zephyr", "acorn", "bramble", "cedar", "dune",
+    "ember", "fennel", "glacier", "hazel", "iris", "jasper", "kelp", "lichen", "meadow", "nutmeg",
+    "opal", "poppy", "quill")
+# The words of the templates' sentences that say what to do (verbs and the nouns around the
+# entities); everything else in a request (ids, numbers, names, cities, products, days, plans,
+# kinds) is an entity and stays in the coded form.
+_REQUEST_WORDS = frozenset("""
+    a all an appointment appointments assign available book booked cancel change claim claims
+    client courier customer delivered doctor file for hold holder in in-transit move of on open
+    order orders patient pay pending plan policy prescription put quantity refill reroute
+    rerouted return set shipment shipments the to upgrade wants with city""".split())
+
+
+def template_codes(seed: int) -> dict[str, str]:
+    """``"domain/template"`` -> its code word under environment seed ``seed``."""
+    names = sorted(f"{d.name}/{t.name}" for d in DOMAINS.values() for t in d.templates)
+    if len(names) > len(CODE_WORDS):
+        raise RuntimeError(f"{len(names)} templates but only {len(CODE_WORDS)} code words")
+    words = list(CODE_WORDS)
+    random.Random(f"toolworld/{seed}/codes").shuffle(words)
+    return dict(zip(names, words))
+
+
+def coded_request(instruction: str, code: str) -> str:
+    """``instruction`` with its procedure replaced by ``code``: only the entities remain."""
+    entities = [w for w in re.findall(r"[A-Za-z0-9-]+", instruction)
+                if w.lower() not in _REQUEST_WORDS]
+    return f"Request {code}: {', '.join(entities)}."
 
 
 class _TemplateSchedule:
@@ -134,8 +186,13 @@ class ToolWorld(Environment):
     name = "toolworld"
     splits = ("pretrain", "train", "eval")
 
-    def __init__(self, seed: int = 0, sizes: dict[str, int] | None = None):
+    def __init__(self, seed: int = 0, sizes: dict[str, int] | None = None,
+                 coded_fraction: float = 0.0):
         sizes = dict(sizes or {})
+        if not 0.0 <= coded_fraction <= 1.0:
+            raise ValueError(f"coded_fraction must be in [0, 1], got {coded_fraction!r}")
+        self.coded_fraction = coded_fraction
+        self.codes = template_codes(seed)
         for split, size in sizes.items():
             if split not in self.splits:
                 raise ValueError(f"unknown toolworld split {split!r}; splits: "
@@ -169,6 +226,8 @@ class ToolWorld(Environment):
         # A string seed is hashed with SHA-512 by `random`, so the stream is the same in every
         # process (unlike hash()), and each split has its own.
         master = random.Random(f"toolworld/{self.seed}/{split}")
+        # Its own stream, so that coding never changes which tasks a split holds.
+        coder = random.Random(f"toolworld/{self.seed}/{split}/coded")
         domains = list(DOMAINS.values())
         schedules = {d.name: _TemplateSchedule(d) for d in domains}
         tasks: list[Task] = []
@@ -183,12 +242,19 @@ class ToolWorld(Environment):
             template = schedules[domain.name].next()
             task_seed = master.getrandbits(48)
             instance = template.build(TaskRandom(task_seed))
+            meta = {"template": template.name, "variant": instance.variant, "seed": task_seed}
+            instruction = instance.instruction
+            if self.coded_fraction and coder.random() < self.coded_fraction:
+                # Pre-training codes are drawn per task, so the base can learn to read a code's
+                # meaning from a reference but never the meaning of a code.
+                code = (coder.choice(CODE_WORDS) if split == "pretrain"
+                        else self.codes[f"{domain.name}/{template.name}"])
+                instruction = coded_request(instance.instruction, code)
+                meta.update(code=code, plain_instruction=instance.instruction)
             task = Task(task_id=f"toolworld/{domain.name}/{split}/{len(tasks):05d}",
                         env=self.name, split=split, domain=domain.name,
-                        instruction=instance.instruction, tools=self._tools[domain.name],
-                        oracle=instance.calls + [{"answer": FINAL_MARKER}],
-                        meta={"template": template.name, "variant": instance.variant,
-                              "seed": task_seed})
+                        instruction=instruction, tools=self._tools[domain.name],
+                        oracle=instance.calls + [{"answer": FINAL_MARKER}], meta=meta)
             key = instance_key(task)
             if key in taken or key in keys:
                 continue
@@ -205,6 +271,8 @@ class ToolWorld(Environment):
             raise ValueError(f"task {task.task_id}: unknown toolworld domain {task.domain!r}; "
                              f"domains: {', '.join(DOMAINS)}")
         instance = domain.template(task.meta["template"]).build(TaskRandom(task.meta["seed"]))
+        if "code" in task.meta:
+            instance.instruction = coded_request(instance.instruction, task.meta["code"])
         if instance.instruction != task.instruction:
             raise ValueError(f"task {task.task_id} does not match this version of toolworld "
                              "(its seed rebuilds a different task); regenerate the tasks")
@@ -244,9 +312,10 @@ class ToolWorld(Environment):
             "domains": dict(Counter(t.domain for t in tasks)),
             "templates": dict(Counter(f"{t.domain}/{t.meta['template']}" for t in tasks)),
             "reports": sum(t.meta["variant"] != "ok" for t in tasks),
+            "coded": sum("code" in t.meta for t in tasks),
             "oracle_calls": dict(sorted(Counter(len(t.oracle) - 1 for t in tasks).items())),
         }
 
 
-__all__ = ["DEFAULT_SIZES", "DOMAINS", "ToolWorld", "ToolWorldEpisode", "instance_key",
-           "system_prompt"]
+__all__ = ["CODE_WORDS", "DEFAULT_SIZES", "DOMAINS", "ToolWorld", "ToolWorldEpisode",
+           "coded_request", "instance_key", "system_prompt", "template_codes"]
