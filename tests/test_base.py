@@ -133,7 +133,7 @@ def test_a_coded_request_sees_its_references_under_its_own_code():
 
     tokenizer = models.load_tokenizer(models.resolve_model_path("tiny"))
     env = get_env("toolworld", seed=0, sizes={"eval": 2, "train": 2, "pretrain": 120},
-                  coded_fraction=0.5)
+                  coded_fraction=1.0)
     tasks = env.tasks("pretrain")
     rollouts = run_episodes(env, tasks, OraclePolicy(), tokenizer, max_turns=8,
                             max_new_tokens=96, batch_size=60)
@@ -150,6 +150,10 @@ def test_a_coded_request_sees_its_references_under_its_own_code():
             seen["coded"] += 1
             # every peer under this request's code, entities only, so the code is the link
             assert all(line.startswith(f"Task: Request {task.meta['code']}: ") for line in task_lines)
+            # ... and their actions carry the values this request leaves out
+            from lopd.envs.toolworld import request_parts
+            for value in request_parts(task.meta["plain_instruction"])[1]:
+                assert value in block
         else:
             seen["plain"] += 1
             assert not any(line.startswith("Task: Request ") for line in task_lines)

@@ -167,13 +167,30 @@ def with_references(rollouts: list[Rollout], tasks, tokenizer, fraction: float, 
         request = coded_request(plain or tasks[j].instruction, code) if code else plain
         return "\n".join([f"Task: {request}", *trace.split("\n")[1:]])
 
-    by_template: dict[str, list[int]] = {}
+    def group(task) -> str:
+        # Peers share the template; a coded request's peers (toolworld) also share the values it
+        # leaves out, so that the reference shows what its code stands for.
+        key = f"{task.domain}/{task.meta.get('template', '')}"
+        if "plain_instruction" in task.meta:
+            from lopd.envs.toolworld import request_parts
+            key += "/" + "/".join(request_parts(task.meta["plain_instruction"])[1])
+        return key
+
+    def values_group(task) -> str:
+        from lopd.envs.toolworld import request_parts
+        plain = task.meta.get("plain_instruction", task.instruction)
+        return f"{task.domain}/{task.meta.get('template', '')}/" + "/".join(request_parts(plain)[1])
+
+    coded_pool = any("plain_instruction" in t.meta for t in tasks)
+    groups: dict[str, list[int]] = {}
     for i, task in enumerate(tasks):
-        by_template.setdefault(f"{task.domain}/{task.meta.get('template', '')}", []).append(i)
+        groups.setdefault(f"{task.domain}/{task.meta.get('template', '')}", []).append(i)
+        if coded_pool:
+            groups.setdefault(values_group(task), []).append(i)
     sequences = []
     for i, (rollout, task) in enumerate(zip(rollouts, tasks)):
         ids, mask = list(rollout.input_ids), list(rollout.action_mask)
-        peers = [j for j in by_template[f"{task.domain}/{task.meta.get('template', '')}"] if j != i]
+        peers = [j for j in groups[group(task)] if j != i]
         if peers and rng.random() < fraction:
             chosen = rng.sample(peers, min(n_ref, len(peers)))
             block = fmt.text_block(tokenizer, [trace_for(j, task.meta.get("code"))

@@ -21,14 +21,17 @@ only on the seed and its size, ``train`` also on the eval size, and a smaller si
 of a larger one. Each task stores its template and a seed in ``meta``; ``reset`` rebuilds the
 initial state from those, so tasks survive a round trip through JSONL.
 
-Coded requests (``coded_fraction`` > 0, off by default): a share of the train and eval tasks
-name their procedure only by a code word ("Request cedar: O482, C384."), one word per template,
-drawn from the seed. The instruction keeps the entities but not the verb or the nouns around them, so
-an agent can only guess which of its domain's procedures is wanted, while a solved task with the same
-code shows it. Pre-training tasks are coded in the same share but with a code drawn per task: the base
-learns to read a request's procedure from a reference with the same code (see
-:func:`lopd.base.with_references`), never what a code means; train and eval codes mean one template
-each, which only experience (or training) reveals. (Writing the code
+Coded requests (``coded_fraction`` > 0, off by default): some train and eval requests name what
+to do only by a code word, and keep nothing but their ids and people's names ("Request cedar: O482,
+C384."). A code stands for one template *and* one fixed set of the values the request leaves out
+(which city, plan, day, amount...), both drawn from the seed, one code word per template; a task is
+coded (with probability ``coded_fraction``) when its values are its code's. Several templates of a
+domain share the same ids (cancel, return or change the quantity of order O482 of customer C384?),
+so an agent can only guess, while a solved task with the same code shows the procedure and the
+values. Pre-training tasks are coded in the same share with a code word drawn per task and their own
+values (at half the rate, about the share of train and eval tasks coded): the base learns to read a coded request from a reference with the same code (see
+:func:`lopd.base.with_references`), never what a code means; the train and eval codes' meanings are
+what only experience (or training) reveals. (Writing the code
 into the plain requests too was tried: the tiny base's copying breaks on any unseen words around
 the entities, plain success fell from 0.45 to 0.03-0.19.) This is the regime
 the method is for, experience that carries what the instruction does not; with plain instructions
@@ -57,7 +60,8 @@ from lopd.envs.base import (
     Verdict)
 from lopd.envs.toolworld import ecommerce, healthcare, insurance, logistics
 from lopd.envs.toolworld.core import (
-    NOTHING_ELSE, Domain, Instance, TaskRandom, Template, ToolError, nothing_else_changed, snapshot)
+    NAMES, NOTHING_ELSE, Domain, Instance, TaskRandom, Template, ToolError, nothing_else_changed,
+    snapshot)
 
 DOMAINS: dict[str, Domain] = {d.name: d for d in (
     ecommerce.DOMAIN, insurance.DOMAIN, logistics.DOMAIN, healthcare.DOMAIN)}
@@ -80,6 +84,7 @@ def instance_key(task: Task) -> str:
                       separators=(",", ":"))
 
 
+_ID = re.compile(r"[A-Z]\d{3}")
 # Code words of coded requests: distinct English words (so that a sentence embedder tells them
 # apart) that no template, tool or entity uses.
 CODE_WORDS = (
@@ -108,11 +113,19 @@ def template_codes(seed: int) -> dict[str, str]:
     return dict(zip(names, words))
 
 
+def request_parts(instruction: str) -> tuple[list[str], tuple[str, ...]]:
+    """The entities of a plain request: (ids and people's names, in order; the other values, such
+    as cities, plans, days, products, amounts, in order)."""
+    words = [w for w in re.findall(r"[A-Za-z0-9-]+", instruction) if w.lower() not in _REQUEST_WORDS]
+    kept = [w for w in words if _ID.fullmatch(w) or w in NAMES]
+    return kept, tuple(w for w in words if w not in kept)
+
+
 def coded_request(instruction: str, code: str) -> str:
-    """``instruction`` with its procedure replaced by ``code``: only the entities remain."""
-    entities = [w for w in re.findall(r"[A-Za-z0-9-]+", instruction)
-                if w.lower() not in _REQUEST_WORDS]
-    return f"Request {code}: {', '.join(entities)}."
+    """``instruction`` as a coded request: the code, then only its ids and names. The procedure
+    and every other value (the city, plan, day, amount...) are what the code stands for."""
+    kept, _ = request_parts(instruction)
+    return f"Request {code}: {', '.join(kept)}."
 
 
 class _TemplateSchedule:
@@ -193,6 +206,12 @@ class ToolWorld(Environment):
             raise ValueError(f"coded_fraction must be in [0, 1], got {coded_fraction!r}")
         self.coded_fraction = coded_fraction
         self.codes = template_codes(seed)
+        # What each train/eval code stands for: its template with one fixed set of the values a
+        # coded request leaves out, drawn from the seed.
+        self.code_values = {
+            f"{d.name}/{t.name}": request_parts(t.build(TaskRandom(
+                f"toolworld/{seed}/code/{d.name}/{t.name}")).instruction)[1]
+            for d in DOMAINS.values() for t in d.templates}
         for split, size in sizes.items():
             if split not in self.splits:
                 raise ValueError(f"unknown toolworld split {split!r}; splits: "
@@ -244,11 +263,16 @@ class ToolWorld(Environment):
             instance = template.build(TaskRandom(task_seed))
             meta = {"template": template.name, "variant": instance.variant, "seed": task_seed}
             instruction = instance.instruction
-            if self.coded_fraction and coder.random() < self.coded_fraction:
+            name = f"{domain.name}/{template.name}"
+            # Pre-training codes any task, at half the rate: about the share of train and eval
+            # tasks that get coded (about half of them have their code's values).
+            share = self.coded_fraction / 2 if split == "pretrain" else self.coded_fraction
+            if share and coder.random() < share and (
+                    split == "pretrain"
+                    or request_parts(instance.instruction)[1] == self.code_values[name]):
                 # Pre-training codes are drawn per task, so the base can learn to read a code's
                 # meaning from a reference but never the meaning of a code.
-                code = (coder.choice(CODE_WORDS) if split == "pretrain"
-                        else self.codes[f"{domain.name}/{template.name}"])
+                code = coder.choice(CODE_WORDS) if split == "pretrain" else self.codes[name]
                 instruction = coded_request(instance.instruction, code)
                 meta.update(code=code, plain_instruction=instance.instruction)
             task = Task(task_id=f"toolworld/{domain.name}/{split}/{len(tasks):05d}",
@@ -318,4 +342,4 @@ class ToolWorld(Environment):
 
 
 __all__ = ["CODE_WORDS", "DEFAULT_SIZES", "DOMAINS", "ToolWorld", "ToolWorldEpisode",
-           "coded_request", "instance_key", "system_prompt", "template_codes"]
+           "coded_request", "instance_key", "request_parts", "system_prompt", "template_codes"]
