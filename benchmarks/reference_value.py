@@ -43,10 +43,17 @@ def main() -> None:
     parser.add_argument("--config", default="tiny")
     parser.add_argument("--tasks", type=int, default=200, help="held-out tasks to act on")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--acting", choices=["base", "oracle"], default="base",
+                        help="whose held-out successes are scored: the base's sampled ones (what "
+                        "the cold start measures), or the oracle's on every task (no selection: "
+                        "the base's own successes are where it already knew what to do)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="SECTION.KEY=VALUE", help="config override, e.g. "
+                        "env.coded_fraction=1.0")
     parser.add_argument("--json", dest="json_path")
     args = parser.parse_args()
 
-    cfg = load_config(args.config)
+    cfg = load_config(args.config, args.overrides)
     torch.set_num_threads(cfg.run.num_threads)
     env = get_env(cfg.env.name, **cfg.env.kwargs())
     tasks = env.tasks("eval")[:args.tasks]
@@ -55,9 +62,12 @@ def main() -> None:
     model.eval()
     engine = TransformersEngine(model, tokenizer)
     sampling = SamplingParams.from_config(cfg.rollout, cfg.rollout.temperature, args.seed)
-    policy = agent.ModelPolicy(engine, tokenizer, sampling)
+    policy = (agent.OraclePolicy() if args.acting == "oracle"
+              else agent.ModelPolicy(engine, tokenizer, sampling))
     held = [r for r in agent.rollout_episodes(env, tasks, policy, tokenizer, cfg.rollout)
             if r.success]
+    code = {t.task_id: t.meta["code"] for t in tasks if "code" in t.meta}
+    coded = set(code)
     n_ret = cfg.bank.n_ret
     rng = random.Random(args.seed)
     with ExperienceBank.open(args.bank) as bank:
@@ -67,32 +77,64 @@ def main() -> None:
                            exclude_task_ids=[r.task_id for r in held])
         shared = sum(h.entry.meta.get("template") == template[r.task_id]
                      for r, found in zip(held, hits) for h in found)
+        # A coded request's "same template" references are entries with its code (the same
+        # template and values, coded alike); a plain request's are plain entries of its template.
         by_template: dict = {}
         for entry in bank.entries:
-            by_template.setdefault(entry.meta.get("template"), []).append(entry)
+            by_template.setdefault((entry.meta.get("template"), entry.meta.get("code")),
+                                   []).append(entry)
         same, other = [], []
         for r in held:
-            own = [e for e in by_template.get(template[r.task_id], []) if e.task_id != r.task_id]
-            rest = [e for t, es in by_template.items() if t != template[r.task_id] for e in es]
-            same.append([e.trace for e in rng.sample(own, min(n_ret, len(own)))])
+            key = (template[r.task_id], code.get(r.task_id))
+            own = [e for e in by_template.get(key, []) if e.task_id != r.task_id]
+            if len(own) < n_ret:   # too few stored successes with this code: add plain ones
+                own += [e for e in by_template.get((key[0], None), []) if e.task_id != r.task_id]
+            picked = ([e.trace for e in rng.sample(own, n_ret)] if len(own) >= n_ret else
+                      # a template the bank barely has: repeat what there is, or fall back to
+                      # the retrieved entries when it has none
+                      [e.trace for e in rng.choices(own, k=n_ret)] if own else None)
+            rest = [e for k, es in by_template.items() if k[0] != key[0] for e in es]
+            same.append(picked)
             other.append([e.trace for e in rng.sample(rest, n_ret)])
-        kinds = {"retrieved": [[h.entry.trace for h in found] for found in hits],
-                 "same template": same, "other template": other}
-        none = cs.mean_teacher_nll(composer, held, fmt, None, "none")
-        table = {"none": {"text": none, "latents": none}}
-        for name, traces in kinds.items():
-            table[name] = {"text": cs.mean_teacher_nll(composer, held, fmt, traces, "text"),
-                           "latents": cs.mean_teacher_nll(composer, held, fmt, traces, "latent")}
-    print(f"{len(held)} held-out successes of {args.model}; retrieved entries sharing the query's "
+        retrieved = [[h.entry.trace for h in found] for found in hits]
+        same = [s if s is not None else r for s, r in zip(same, retrieved)]
+        kinds = {"retrieved": retrieved, "same template": same, "other template": other}
+        groups = {"all": list(range(len(held)))}
+        if coded:
+            groups["coded"] = [i for i, r in enumerate(held) if r.task_id in coded]
+            groups["plain"] = [i for i, r in enumerate(held) if r.task_id not in coded]
+        tables = {}
+        for group, rows in groups.items():
+            if not rows:
+                continue
+            part = [held[i] for i in rows]
+            none = cs.mean_teacher_nll(composer, part, fmt, None, "none")
+            table = {"none": {"text": none, "latents": none}}
+            for name, traces in kinds.items():
+                chosen = [traces[i] for i in rows]
+                table[name] = {"text": cs.mean_teacher_nll(composer, part, fmt, chosen, "text"),
+                               "latents": cs.mean_teacher_nll(composer, part, fmt, chosen,
+                                                              "latent")}
+            tables[group] = (len(rows), table)
+    who = "the oracle" if args.acting == "oracle" else args.model
+    print(f"{len(held)} held-out successes of {who}; retrieved entries sharing the query's "
           f"template: {shared}/{n_ret * len(held)}")
-    print(format_table(["reference", "NLL, as text", "NLL, as latents", "text vs none"],
-                       [[k, f"{v['text']:.5f}", f"{v['latents']:.5f}",
-                         f"{v['text'] - table['none']['text']:+.5f}"] for k, v in table.items()]))
+    for group, (n, table) in tables.items():
+        print()
+        print(format_table(["reference", "NLL, as text", "NLL, as latents", "text vs none"],
+                           [[k, f"{v['text']:.5f}", f"{v['latents']:.5f}",
+                             f"{v['text'] - table['none']['text']:+.5f}"]
+                            for k, v in table.items()],
+                           title=f"{group} requests ({n} successes)" if coded else None))
+    table = tables["all"][1]
     if args.json_path:
         write_json(args.json_path, {"settings": vars(args), "held_out_successes": len(held),
                                     "retrieved_sharing_template": shared,
                                     "retrieved_total": n_ret * len(held),
-                                    "nll_per_action_token": table})
+                                    "nll_per_action_token": table,
+                                    "by_request_kind": {g: {"successes": n, **t}
+                                                        for g, (n, t) in tables.items()
+                                                        if g != "all"}})
 
 
 if __name__ == "__main__":
