@@ -156,6 +156,8 @@ def with_references(rollouts: list[Rollout], tasks, tokenizer, fraction: float, 
     fmt = ReferenceFormat.for_tokenizer(tokenizer)
     rng = random.Random(seed)
 
+    from lopd.envs.toolworld import coded_request, request_parts
+
     def trace_for(j: int, code: str | None) -> str:
         # A peer's trace in the form of the request it is a reference for: a coded request (see
         # toolworld's coded requests) sees its peers under its own code, a plain one sees them plain.
@@ -163,34 +165,29 @@ def with_references(rollouts: list[Rollout], tasks, tokenizer, fraction: float, 
         plain = tasks[j].meta.get("plain_instruction")
         if code is None and plain is None:
             return trace
-        from lopd.envs.toolworld import coded_request
         request = coded_request(plain or tasks[j].instruction, code) if code else plain
         return "\n".join([f"Task: {request}", *trace.split("\n")[1:]])
 
-    def group(task) -> str:
-        # Peers share the template; a coded request's peers (toolworld) also share the values it
-        # leaves out, so that the reference shows what its code stands for.
-        key = f"{task.domain}/{task.meta.get('template', '')}"
-        if "plain_instruction" in task.meta:
-            from lopd.envs.toolworld import request_parts
-            key += "/" + "/".join(request_parts(task.meta["plain_instruction"])[1])
-        return key
+    def template_key(task) -> str:
+        return f"{task.domain}/{task.meta.get('template', '')}"
 
-    def values_group(task) -> str:
-        from lopd.envs.toolworld import request_parts
+    def values_key(task) -> str:
+        # The template and the values a coded request leaves out (toolworld): a coded request's
+        # peers share both, so that the reference shows what its code stands for.
         plain = task.meta.get("plain_instruction", task.instruction)
-        return f"{task.domain}/{task.meta.get('template', '')}/" + "/".join(request_parts(plain)[1])
+        return f"{template_key(task)}/" + "/".join(request_parts(plain)[1])
 
     coded_pool = any("plain_instruction" in t.meta for t in tasks)
     groups: dict[str, list[int]] = {}
     for i, task in enumerate(tasks):
-        groups.setdefault(f"{task.domain}/{task.meta.get('template', '')}", []).append(i)
+        groups.setdefault(template_key(task), []).append(i)
         if coded_pool:
-            groups.setdefault(values_group(task), []).append(i)
+            groups.setdefault(values_key(task), []).append(i)
     sequences = []
     for i, (rollout, task) in enumerate(zip(rollouts, tasks)):
         ids, mask = list(rollout.input_ids), list(rollout.action_mask)
-        peers = [j for j in groups[group(task)] if j != i]
+        key = values_key(task) if "plain_instruction" in task.meta else template_key(task)
+        peers = [j for j in groups[key] if j != i]
         if peers and rng.random() < fraction:
             chosen = rng.sample(peers, min(n_ref, len(peers)))
             block = fmt.text_block(tokenizer, [trace_for(j, task.meta.get("code"))

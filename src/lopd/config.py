@@ -165,9 +165,10 @@ class EnvConfig:
         "train and eval); -1 = the environment's default (toolworld 30,000, codeworld 20,000).",
         ge=-1)
     coded_fraction: float = knob(
-        0.0, "toolworld: share of the train and eval tasks whose request names its procedure only "
-        "by a per-template code word (experience then carries what the instruction does not); "
-        "the pretrain pool is never coded.", ge=0.0, le=1.0)
+        0.0, "toolworld: probability that a train or eval task whose left-out values are its "
+        "code's is written as a coded request (only ids and names, and a per-template code word: "
+        "experience then carries what the request does not); the pretrain pool codes half this "
+        "share of its tasks, with a code word drawn per task.", ge=0.0, le=1.0)
     code_reward: Literal["fraction", "binary"] = knob(
         "fraction", "codeworld reward: the fraction of hidden tests passed, or 1 only when all "
         "pass.")

@@ -28,15 +28,13 @@ C384."). A code stands for one template *and* one fixed set of the values the re
 coded (with probability ``coded_fraction``) when its values are its code's. Several templates of a
 domain share the same ids (cancel, return or change the quantity of order O482 of customer C384?),
 so an agent can only guess, while a solved task with the same code shows the procedure and the
-values. Pre-training tasks are coded in the same share with a code word drawn per task and their own
-values (at half the rate, about the share of train and eval tasks coded): the base learns to read a coded request from a reference with the same code (see
-:func:`lopd.base.with_references`), never what a code means; the train and eval codes' meanings are
-what only experience (or training) reveals. (Writing the code
-into the plain requests too was tried: the tiny base's copying breaks on any unseen words around
-the entities, plain success fell from 0.45 to 0.03-0.19.) This is the regime
-the method is for, experience that carries what the instruction does not; with plain instructions
-every procedure is named and experience adds nothing the base lacks. A coded task is the same
-instance as its plain form (the key uses the plain request), so splits stay disjoint.
+values: experience carries what the request does not, the regime the method is for. Pre-training
+codes any task, at half that rate (about the share of train and eval tasks coded), with a code word
+drawn per task: the base learns to read a coded request from a reference with the same code (see
+:func:`lopd.base.with_references`), never what a code means. A coded task is the same instance as
+its plain form (the key uses the plain request), so splits stay disjoint. (Writing the code into
+the plain requests too was tried: the tiny base's copying breaks on unseen words around the
+entities; plain success fell from 0.45 to 0.03-0.19.)
 
 Task mix: the domains take turns, and each domain's templates come in proportion to their
 weights (single-call templates weigh more), so about 70% of the tasks need one or two tool calls
