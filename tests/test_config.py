@@ -9,7 +9,8 @@ def test_the_tiny_preset_differs_from_the_defaults_only_where_it_says_so():
                    if tiny[section][key] != defaults[section][key]}
     # Each of these carries a comment in tiny.yaml saying why it differs from the paper.
     assert differences == {"composer.num_latents", "train.learning_rate", "train.max_steps",
-                           "lopd.composer_learning_rate", "base.reference_fraction"}
+                           "lopd.composer_learning_rate", "base.reference_fraction",
+                           "env.coded_fraction", "cold_start.epochs"}
 
 
 def test_yaml_file_and_set_overrides(tmp_path):

@@ -280,4 +280,5 @@ def test_coded_fraction_reaches_toolworld_through_the_config():
                                "env.pretrain_size=5"])
     env = get_env(cfg.env.name, **cfg.env.kwargs())
     assert env.coded_fraction == 0.5
-    assert "coded_fraction" not in load_config("tiny").env.kwargs()
+    assert load_config("tiny").env.kwargs()["coded_fraction"] == 1.0      # the preset's setting
+    assert "coded_fraction" not in load_config("tiny", ["env.coded_fraction=0"]).env.kwargs()

@@ -26,9 +26,11 @@ SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END, LATENT_TOKEN, TOOL_CALL_START, TO
 
 # Where `lopd base` ships the embedded default model inside the package.
 EMBEDDED_DIR = Path(__file__).parent / "assets" / "tiny-base"
-EMBEDDED = {"tiny": EMBEDDED_DIR, "tiny-code": EMBEDDED_DIR.with_name("tiny-code")}
-"""Models shipped in the package: the toolworld base, and the codeworld base (issue notes say why
-the two domains have separate tiny models)."""
+EMBEDDED = {"tiny": EMBEDDED_DIR, "tiny-plain": EMBEDDED_DIR.with_name("tiny-plain"),
+            "tiny-code": EMBEDDED_DIR.with_name("tiny-code")}
+"""Models shipped in the package: the toolworld base of the default (coded) setting, the first-stage
+toolworld base it was trained from (plain requests only), and the codeworld base (issue notes say
+why the two domains have separate tiny models)."""
 
 # ChatML, as Qwen uses it, with one change that matters for a 1M-parameter model: tools are listed
 # as one short signature line each instead of their full JSON schema, which keeps prompts short.
@@ -160,7 +162,7 @@ def build_model(tokenizer, preset: str = "tiny", seed: int = 0,
 
 
 def resolve_model_path(name_or_path: str | Path) -> str:
-    """'tiny' / 'tiny-code' mean the embedded models; a folder must hold a config; anything else is
+    """'tiny' / 'tiny-plain' / 'tiny-code' mean the embedded models; a folder must hold a config; anything else is
     a hub id."""
     name = str(name_or_path)
     if name in EMBEDDED:
