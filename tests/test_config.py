@@ -8,7 +8,7 @@ def test_the_tiny_preset_differs_from_the_defaults_only_where_it_says_so():
     differences = {f"{section}.{key}" for section in defaults for key in defaults[section]
                    if tiny[section][key] != defaults[section][key]}
     # Each of these carries a comment in tiny.yaml saying why it differs from the paper.
-    assert differences == {"composer.num_latents", "train.learning_rate", "train.max_steps",
+    assert differences == {"composer.num_latents", "train.learning_rate",
                            "lopd.composer_learning_rate", "base.reference_fraction",
                            "env.coded_fraction", "cold_start.epochs"}
 
