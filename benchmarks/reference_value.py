@@ -83,21 +83,21 @@ def main() -> None:
         for entry in bank.entries:
             by_template.setdefault((entry.meta.get("template"), entry.meta.get("code")),
                                    []).append(entry)
+        retrieved = [[h.entry.trace for h in found] for found in hits]
         same, other = [], []
-        for r in held:
+        for r, found in zip(held, retrieved):
             key = (template[r.task_id], code.get(r.task_id))
             own = [e for e in by_template.get(key, []) if e.task_id != r.task_id]
             if len(own) < n_ret:   # too few stored successes with this code: add plain ones
                 own += [e for e in by_template.get((key[0], None), []) if e.task_id != r.task_id]
-            picked = ([e.trace for e in rng.sample(own, n_ret)] if len(own) >= n_ret else
-                      # a template the bank barely has: repeat what there is, or fall back to
-                      # the retrieved entries when it has none
-                      [e.trace for e in rng.choices(own, k=n_ret)] if own else None)
+            if len(own) >= n_ret:
+                same.append([e.trace for e in rng.sample(own, n_ret)])
+            elif own:              # a template the bank barely has: repeat what there is
+                same.append([e.trace for e in rng.choices(own, k=n_ret)])
+            else:                  # none at all: the retrieved entries stand in
+                same.append(found)
             rest = [e for k, es in by_template.items() if k[0] != key[0] for e in es]
-            same.append(picked)
             other.append([e.trace for e in rng.sample(rest, n_ret)])
-        retrieved = [[h.entry.trace for h in found] for found in hits]
-        same = [s if s is not None else r for s, r in zip(same, retrieved)]
         kinds = {"retrieved": retrieved, "same template": same, "other template": other}
         groups = {"all": list(range(len(held)))}
         if coded:

@@ -162,8 +162,8 @@ def build_model(tokenizer, preset: str = "tiny", seed: int = 0,
 
 
 def resolve_model_path(name_or_path: str | Path) -> str:
-    """'tiny' / 'tiny-plain' / 'tiny-code' mean the embedded models; a folder must hold a config; anything else is
-    a hub id."""
+    """'tiny' / 'tiny-plain' / 'tiny-code' mean the embedded models; a folder must hold a config;
+    anything else is a hub id."""
     name = str(name_or_path)
     if name in EMBEDDED:
         if not (EMBEDDED[name] / "config.json").exists():

@@ -1,13 +1,43 @@
-import json, statistics as st
-base = None
-rows = {}
-for s in (0, 1, 2):
-    ev = [json.loads(l) for l in open(f"runs/v4/lopd-s{s}/eval.jsonl")]
-    base = ev[0]
-    rows[s] = {d["step"]: (d["mean_reward"], d["success_rate"], d["generations"]) for d in ev}
-steps = sorted(set.intersection(*(set(r) for r in rows.values())))
-print("base (step 0, greedy): reward %.4f success %.3f" % (base["mean_reward"], base["success_rate"]))
-for step in steps:
-    rw = [rows[s][step][0] for s in rows]; sc = [rows[s][step][1] for s in rows]
-    print(f"step {step:2d} ({rows[0][step][2]} rollouts): reward {st.mean(rw):.4f} ± {st.pstdev(rw):.4f} "
-          f"[{', '.join(f'{x:.4f}' for x in rw)}]  success {st.mean(sc):.4f} ± {st.pstdev(sc):.4f}")
+"""Held-out reward and success per evaluation, mean ± population std over seeds, as a markdown table.
+
+    python docs/results/coded/aggregate.py lopd=runs/v5/compare/lopd grpo=runs/v5/compare/grpo
+    python docs/results/coded/aggregate.py lopd=runs/v4/lopd-s
+
+Each NAME=PREFIX names a method and the run folders of its seeds: every folder whose path starts with
+PREFIX and holds an eval.jsonl (a `lopd compare` method folder, or the common prefix of run folders).
+"""
+import json
+import statistics as st
+import sys
+from pathlib import Path
+
+
+def seed_runs(prefix: str) -> list[Path]:
+    path = Path(prefix)
+    if path.is_dir() and not (path / "eval.jsonl").exists():
+        return sorted(p for p in path.iterdir() if (p / "eval.jsonl").exists())
+    return sorted(p for p in path.parent.glob(path.name + "*") if (p / "eval.jsonl").exists())
+
+
+methods = dict(arg.split("=", 1) for arg in sys.argv[1:]) or {
+    "lopd": "runs/v5/compare/lopd", "grpo": "runs/v5/compare/grpo"}
+evals = {}   # method -> rollouts -> [(reward, success) per seed]
+for name, prefix in methods.items():
+    runs = seed_runs(prefix)
+    if not runs:
+        sys.exit(f"{name}={prefix}: no run folder with an eval.jsonl")
+    for run in runs:
+        for line in (run / "eval.jsonl").read_text().splitlines():
+            e = json.loads(line)
+            evals.setdefault(name, {}).setdefault(e["generations"], []).append(
+                (e["mean_reward"], e["success_rate"]))
+print("| rollouts | " + " | ".join(f"{m} reward (per seed) | {m} success" for m in methods) + " |")
+print("| --- |" + " --- |" * (2 * len(methods)))
+for gens in sorted(set.intersection(*(set(v) for v in evals.values()))):
+    cells = []
+    for name in methods:
+        rw = [r for r, _ in evals[name][gens]]
+        sc = [s for _, s in evals[name][gens]]
+        cells += [f"{st.mean(rw):.4f} ± {st.pstdev(rw):.4f} ({', '.join(f'{x:.4f}' for x in rw)})",
+                  f"{st.mean(sc):.3f} ± {st.pstdev(sc):.3f}"]
+    print(f"| {gens:,} | " + " | ".join(cells) + " |")
