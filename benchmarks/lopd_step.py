@@ -29,7 +29,7 @@ from lopd.composer import Composer
 from lopd.config import load_config
 from lopd.envs import get_env
 from lopd.experience import ExperienceBank, load_embedder, spec_from_config
-from lopd.report import format_table, write_json
+from lopd.tables import format_table, write_json
 from lopd.trainer import METRICS_FILE, Trainer
 
 PHASES = ("rollout", "retrieval", "composer", "teacher", "student_update", "composer_update",

@@ -31,7 +31,7 @@ from lopd.config import load_config
 from lopd.envs import get_env
 from lopd.experience import ExperienceBank
 from lopd.latent import ReferenceFormat
-from lopd.report import format_table, write_json
+from lopd.tables import format_table, write_json
 from lopd.rollout import SamplingParams, TransformersEngine
 
 
@@ -39,7 +39,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bank", required=True)
     parser.add_argument("--composer", required=True)
-    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--model", default="toolworld-1m")
     parser.add_argument("--config", default="tiny")
     parser.add_argument("--tasks", type=int, default=200, help="held-out tasks to act on")
     parser.add_argument("--seed", type=int, default=0)

@@ -5,7 +5,7 @@ tokens at temperature 1 for ``--batch-size`` prompts of about ``--prompt-tokens`
 engines, one after the other in the same process and thread setting. Prints generated tokens per
 second (generated tokens / wall time) and the ratio; ``--json PATH`` writes the same figures.
 
-    python benchmarks/rollout_throughput.py --presets tiny small --json runs/rollout_throughput.json
+    python benchmarks/rollout_throughput.py --presets qwen3-1m qwen3-4m --json runs/rollout_throughput.json
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from lopd import models, runtime
 from lopd.corpus import synthetic_transcripts
-from lopd.report import format_table, write_json
+from lopd.tables import format_table, write_json
 from lopd.rollout import SamplingParams, TransformersEngine
 
 
@@ -64,7 +64,7 @@ def time_hf_generate(model, tokenizer, prompts, params: SamplingParams,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--presets", nargs="+", default=["tiny"],
+    parser.add_argument("--presets", nargs="+", default=["qwen3-1m"],
                         choices=sorted(models.ARCH_PRESETS))
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=200)

@@ -16,7 +16,7 @@ def tiny_tokenizer():
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_tokenizer):
-    return models.build_model(tiny_tokenizer, preset="tiny", seed=0).eval()
+    return models.build_model(tiny_tokenizer, preset="qwen3-1m", seed=0).eval()
 
 
 from lopd.config import ComposerConfig  # noqa: E402
@@ -32,13 +32,13 @@ def make_lopd_inputs(root):
     from lopd.envs import get_env
     from lopd.experience import EmbedderSpec, ExperienceBank, load_embedder
 
-    model, tokenizer = models.load_model("tiny")
+    model, tokenizer = models.load_model("toolworld-1m")
     env = get_env("toolworld", seed=0, sizes={"train": 40, "eval": 4, "pretrain": 0})
     tasks = env.tasks("train")
     rollouts = agent.run_episodes(env, tasks, agent.OraclePolicy(), tokenizer, max_turns=8,
                                   max_new_tokens=96, batch_size=40)
     with ExperienceBank.create(root / "bank", load_embedder(EmbedderSpec(kind="policy",
-                                                                         path="tiny"))) as bank:
+                                                                         path="toolworld-1m"))) as bank:
         bank.add_rollouts(rollouts, {t.task_id: t for t in tasks}, source="oracle")
     torch.manual_seed(0)
     Composer(model.eval(), tokenizer, LOPD_SPEC).save(root / "composer")

@@ -6,7 +6,7 @@ import pytest
 
 from lopd.agent import (FixedTextPolicy, ModelPolicy, OraclePolicy, Policy, RandomPolicy, Rollout,
                         parse_action, run_episodes, summarize)
-from lopd.envs.base import (Environment, Episode, FinalAnswer, Malformed, StepResult, Task,
+from lopd.envs.environment import (Environment, Episode, FinalAnswer, Malformed, StepResult, Task,
                             ToolCall, Verdict)
 from lopd.rollout import SamplingParams, TransformersEngine
 

@@ -8,7 +8,7 @@ pytest.importorskip("bfcl", reason="BFCL needs nvidia-bfcl (installed by make)")
 
 from lopd import agent, models  # noqa: E402
 from lopd.envs import get_env  # noqa: E402
-from lopd.envs.base import ToolCall  # noqa: E402
+from lopd.envs.environment import ToolCall  # noqa: E402
 from lopd.envs.bfcl import SUBSETS  # noqa: E402
 
 
@@ -19,7 +19,7 @@ def env():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return models.load_tokenizer(models.resolve_model_path("tiny"))
+    return models.load_tokenizer(models.resolve_model_path("toolworld-1m"))
 
 
 def run(env, tasks, policy, tokenizer):

@@ -41,8 +41,8 @@ def test_model_new_from_a_corpus_file(tmp_path):
 
 
 def test_bad_config_value_fails_naming_the_key(tmp_path, capsys):
-    assert main(["model", "new", "--out", str(tmp_path / "m"), "--set", "model.preset=huge"]) == 2
-    assert "model.preset" in capsys.readouterr().err
+    assert main(["model", "new", "--out", str(tmp_path / "m"), "--set", "model.architecture=huge"]) == 2
+    assert "model.architecture" in capsys.readouterr().err
 
 
 def test_info_on_a_folder_without_a_model(tmp_path, capsys):

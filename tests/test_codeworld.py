@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from lopd.envs import get_env
-from lopd.envs.base import FinalAnswer, Malformed
+from lopd.envs.environment import FinalAnswer, Malformed
 from lopd.envs.codegen import extract_code, fence, pass_at_k
 from lopd.envs.codeworld import CodeWorld, assemble
 from lopd.envs.codeworld.problems import TEMPLATES, expected_values

@@ -16,13 +16,13 @@ SPEC = ComposerConfig(num_latents=4, depth=2, num_heads=4, max_experience_tokens
 @pytest.fixture(scope="module")
 def setting(tmp_path_factory):
     """The embedded base, oracle successes of 40 training tasks, and a bank holding them."""
-    model, tokenizer = models.load_model("tiny")
+    model, tokenizer = models.load_model("toolworld-1m")
     env = get_env("toolworld", seed=0, sizes={"eval": 4, "train": 40, "pretrain": 0})
     tasks = env.tasks("train")
     rollouts = agent.run_episodes(env, tasks, agent.OraclePolicy(), tokenizer, max_turns=8,
                                   max_new_tokens=96, batch_size=40)
     bank = ExperienceBank.create(tmp_path_factory.mktemp("bank"),
-                                 load_embedder(EmbedderSpec(kind="policy", path="tiny")))
+                                 load_embedder(EmbedderSpec(kind="policy", path="toolworld-1m")))
     bank.add_rollouts(rollouts, {t.task_id: t for t in tasks}, source="oracle")
     return model, tokenizer, bank, rollouts
 

@@ -36,7 +36,7 @@ def test_yaml_file_and_set_overrides(tmp_path):
     (["train.learning_rate=-1"], ["train.learning_rate", "> 0.0"]),
     (["rollout.top_p=1.5"], ["rollout.top_p", "<= 1.0"]),
     (["run.device=tpu"], ["run.device", "'tpu'", "'cpu'", "'cuda'"]),
-    (["model.preset=huge"], ["model.preset", "'tiny'", "'small'"]),
+    (["model.architecture=huge"], ["model.architecture", "'qwen3-1m'", "'qwen3-4m'"]),
     (["learning_rate=1"], ["section and a field"]),
     (["train.learning_rate"], ["section.key=value"]),
 ])

@@ -306,7 +306,7 @@ def test_the_papers_embedder_setting_is_expressible_in_config(tmp_path, embedder
     path = tmp_path / "paper.yaml"
     path.write_text('bank:\n  embedder: hf\n  embedder_path: /models/Qwen3-Embedding-8B\n'
                     '  pooling: last\n  query_instruction: "Instruct: Find solved tasks\\nQuery: "\n')
-    spec = spec_from_config(load_config(path).bank, model_path="tiny")
+    spec = spec_from_config(load_config(path).bank, model_path="toolworld-1m")
     assert spec == EmbedderSpec(kind="hf", path="/models/Qwen3-Embedding-8B", pooling="last",
                                 query_instruction="Instruct: Find solved tasks\nQuery: ")
     policy = spec_from_config(load_config(None, ["bank.embedder=policy"]).bank, "some/model")
@@ -328,12 +328,12 @@ def test_added_rollouts_are_kept_for_the_cold_start(tmp_path):
     from lopd import agent, models
     from lopd.envs import get_env
 
-    _, tokenizer = models.load_model("tiny")
+    _, tokenizer = models.load_model("toolworld-1m")
     env = get_env("toolworld", seed=0, sizes={"eval": 2, "train": 6, "pretrain": 0})
     tasks = env.tasks("train")
     rollouts = agent.run_episodes(env, tasks, agent.OraclePolicy(), tokenizer, max_turns=8,
                                   max_new_tokens=96, batch_size=6)
-    bank = ExperienceBank.create(tmp_path, load_embedder(EmbedderSpec(kind="policy", path="tiny")))
+    bank = ExperienceBank.create(tmp_path, load_embedder(EmbedderSpec(kind="policy", path="toolworld-1m")))
     by_id = {t.task_id: t for t in tasks}
     bank.add_rollouts(rollouts[:4], by_id)
     bank.add_rollouts(rollouts, by_id)          # 4 duplicates, 2 new

@@ -67,7 +67,7 @@ def test_one_step_changes_student_and_composer_but_not_the_base(inputs, tmp_path
     for k, v in alg.composer.anchor_compressor.state_dict().items():
         assert torch.equal(v, anchor[k]), k
     # The anchor adapter φ0 is still the cold start: its latents equal a fresh load's.
-    fresh_base, tokenizer = models.load_model("tiny")
+    fresh_base, tokenizer = models.load_model("toolworld-1m")
     fresh = Composer.load(inputs / "composer", fresh_base.eval(), tokenizer)
     traces = [["1. a -> b", "1. c -> d"]]
     with torch.no_grad():
@@ -102,7 +102,7 @@ def _deltas_on_a_fixed_batch(inputs, run_dir, steps, **sets):
                                   **sets})
     tasks = trainer.tasks_for_step(t.train_tasks, 0, 1, 4)
     rollouts = agent.run_episodes(t.env, tasks, agent.OraclePolicy(), t.ctx.tokenizer, 8, 96, 4)
-    t.ctx.student.load_state_dict(models.build_model(t.ctx.tokenizer, "tiny", seed=1).state_dict())
+    t.ctx.student.load_state_dict(models.build_model(t.ctx.tokenizer, "qwen3-1m", seed=1).state_dict())
     batch = trainer.StepBatch(1, tasks, rollouts)
     return [t.algorithm.step(batch)["delta"] for _ in range(steps)]
 

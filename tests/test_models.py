@@ -80,8 +80,8 @@ def test_building_a_model_leaves_the_global_rng_alone(tiny_tokenizer):
 
 
 def test_presets_have_the_documented_sizes(tiny_tokenizer):
-    tiny = models.build_model(tiny_tokenizer, "tiny")
-    small = models.build_model(tiny_tokenizer, "small")
+    tiny = models.build_model(tiny_tokenizer, "qwen3-1m")
+    small = models.build_model(tiny_tokenizer, "qwen3-4m")
     assert (tiny.config.hidden_size, tiny.config.num_hidden_layers) == (128, 2)
     assert (small.config.hidden_size, small.config.num_hidden_layers) == (256, 4)
     assert models.count_parameters(tiny) < models.count_parameters(small)

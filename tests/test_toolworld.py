@@ -5,7 +5,7 @@ import json
 import pytest
 
 from lopd.envs import get_env
-from lopd.envs.base import FINAL_MARKER, FinalAnswer, Malformed, Task, ToolCall
+from lopd.envs.environment import FINAL_MARKER, FinalAnswer, Malformed, Task, ToolCall
 from lopd.envs.toolworld import DEFAULT_SIZES, DOMAINS, ToolWorld, instance_key, system_prompt
 
 

@@ -26,10 +26,10 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from lopd.envs.base import (FINAL_MARKER, Action, Environment, Episode, FinalAnswer, Malformed,
+from lopd.envs.environment import (FINAL_MARKER, Action, Environment, Episode, FinalAnswer, Malformed,
                             Task, ToolCall)
 from lopd.models import IM_END, TOOL_CALL_END, TOOL_CALL_START
-from lopd.rollout.base import Generation, RolloutEngine, SamplingParams
+from lopd.rollout.engine import Generation, RolloutEngine, SamplingParams
 
 FINISH_REASONS = ("answer", "max_turns", "max_length", "env_done")
 """Why an episode ended: the agent answered; it used its last turn; the next turn would not fit the

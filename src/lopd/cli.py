@@ -15,7 +15,7 @@ from pathlib import Path
 from lopd import __version__
 from lopd.algorithms import ALGORITHMS
 from lopd.config import ConfigError, describe, load_config
-from lopd.report import domain_rows, format_table, key_value_table, write_json
+from lopd.tables import domain_rows, format_table, key_value_table, write_json
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default="tiny",
@@ -62,17 +62,17 @@ def cmd_model_new(args) -> int:
 
 
 def build_and_save(cfg, corpus: list[str], out: Path) -> dict:
-    """Train a tokenizer on ``corpus``, build the model of ``cfg.model.preset`` and save both."""
+    """Train a tokenizer on ``corpus``, build the model of ``cfg.model.architecture`` and save both."""
     from lopd import models
 
     start = time.perf_counter()
     tokenizer = models.train_tokenizer(corpus, vocab_size=cfg.model.vocab_size)
-    model = models.build_model(tokenizer, preset=cfg.model.preset, seed=cfg.run.seed,
+    model = models.build_model(tokenizer, preset=cfg.model.architecture, seed=cfg.run.seed,
                                max_position_embeddings=cfg.model.max_position_embeddings)
     models.save_model(model, tokenizer, out)
     return {
         "path": str(out),
-        "preset": cfg.model.preset,
+        "architecture": cfg.model.architecture,
         "parameters": models.count_parameters(model),
         "vocab_size": len(tokenizer),
         "corpus_texts": len(corpus),
@@ -295,7 +295,7 @@ def _composer_policy(args, cfg, device):
 
 
 def cmd_base(args) -> int:
-    from lopd.base import build_base
+    from lopd.base_model import build_base
 
     cfg = _config_for_env(args)
     result = build_base(cfg, args.out, resume=args.resume)
@@ -681,8 +681,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run an agent on every task of a split and report mean reward "
                        "and success rate per domain. --agent oracle / random check the harness. "
                        "Episodes are greedy unless rollout.eval_temperature > 0.")
-    p.add_argument("--model", help="model folder, or 'tiny' / 'tiny-code' (embedded); default: "
-                   "the config's model.name_or_path (tiny; tiny-code for codeworld and humaneval)")
+    p.add_argument("--model", help="model folder or embedded model (toolworld-1m, codeworld-1m); "
+                   "default: the config's model.name_or_path (codeworld-1m for codeworld and "
+                   "humaneval)")
     p.add_argument("--env", default="toolworld", help="environment (default: toolworld)")
     p.add_argument("--split", default="eval",
                    help="split: pretrain, train or eval (toolworld); base, miss_func, miss_param, "
@@ -708,7 +709,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "experiences, maximises the likelihood of each stored success; then print "
                        "the teacher's NLL on held-out successes with no reference, retrieved "
                        "latents, random experiences' latents and the raw traces as text.")
-    p.add_argument("--model", help="the frozen base (folder, 'tiny' or 'tiny-code'); default: "
+    p.add_argument("--model", help="the frozen base (folder or embedded model); default: "
                    "the config's model.name_or_path")
     p.add_argument("--bank", required=True, help="experience bank folder (lopd bank build)")
     p.add_argument("--out", required=True, help="folder to write the composer to")
@@ -787,7 +788,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "store the rollouts whose reward reaches bank.reward_threshold in BANK "
                         "(created with the config's bank section if it does not exist).")
     p.add_argument("--out", required=True, metavar="BANK", help="bank folder (created or extended)")
-    p.add_argument("--model", help="model folder, 'tiny' or 'tiny-code'; default: the config's "
+    p.add_argument("--model", help="model folder or embedded model; default: the config's "
                    "model.name_or_path")
     p.add_argument("--agent", default="model", choices=["model", "oracle"],
                    help="who acts: the model, or the oracle solution (a reference bank)")
@@ -850,7 +851,7 @@ def build_parser() -> argparse.ArgumentParser:
     msub = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)
     p = msub.add_parser("new", help="train a tokenizer and build a random-initialised tiny model",
                         description="Train a byte-level BPE tokenizer on a corpus and build a "
-                        "Qwen3 model from the preset in the config (model.preset), seeded by "
+                        "Qwen3 model from the config's model.architecture, seeded by "
                         "run.seed; saved in Hugging Face format.")
     p.add_argument("--out", required=True, help="folder to write the model and tokenizer to")
     p.add_argument("--corpus", help="tokenizer corpus: .txt (one text per line) or .jsonl "
@@ -862,7 +863,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = msub.add_parser("info", help="parameters, vocabulary, special tokens of a model folder",
                         description="Print facts about a saved model: parameter count, shape, "
                         "vocabulary, special tokens and whether a chat template is present.")
-    p.add_argument("path", help="model folder, or 'tiny' for the embedded default")
+    p.add_argument("path", help="model folder, or an embedded model name (toolworld-1m, ...)")
     _add_json_arg(p)
     p.set_defaults(func=cmd_model_info)
     return parser

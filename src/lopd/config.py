@@ -58,11 +58,12 @@ class ModelConfig:
     """Which causal LM to use, and how to build the tiny default when asked to."""
 
     name_or_path: str = knob(
-        "tiny", "A local folder with a Hugging Face causal LM and tokenizer, a hub id (only where a "
-        "network exists), or 'tiny' for the embedded default model.")
-    preset: Literal["tiny", "small"] = knob(
-        "tiny", "Architecture preset for a newly built model: 'tiny' (hidden 128, 2 layers, ~1M "
-        "parameters) or 'small' (hidden 256, 4 layers, ~4M parameters).")
+        "toolworld-1m", "A local folder with a Hugging Face causal LM and tokenizer, a hub id (only "
+        "where a network exists), or an embedded model: toolworld-1m (the toolworld base), "
+        "toolworld-1m-plain (its first stage, plain requests only), codeworld-1m (the code base).")
+    architecture: Literal["qwen3-1m", "qwen3-4m"] = knob(
+        "qwen3-1m", "Shape of a newly built model: 'qwen3-1m' (hidden 128, 2 layers, ~1M "
+        "parameters) or 'qwen3-4m' (hidden 256, 4 layers, ~4M parameters).")
     vocab_size: int = knob(
         2048, "Target vocabulary size of a newly trained byte-level BPE tokenizer (special tokens "
         "included).", ge=300)
@@ -210,7 +211,7 @@ class BaseConfig:
         0.35, "Stop once validation success reaches this: the base must stay partly competent so "
         "that training methods have room to improve it.", gt=0.0, le=1.0)
     init_from: str = knob(
-        "", "Continue from this model folder (or 'tiny') and its tokenizer instead of a new "
+        "", "Continue from this model folder (or an embedded model) and its tokenizer instead of a new "
         "tokenizer and a random initialisation; empty builds from scratch.")
     reference_fraction: float = knob(
         0.0, "Share of pre-training transcripts given a reference block (the self-teacher's "

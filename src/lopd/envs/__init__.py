@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from lopd.envs.base import Environment
+from lopd.envs.environment import Environment
 
 # name -> "module:class"; imported on demand so that using one environment never imports the
 # others (and their dependencies).

@@ -30,7 +30,7 @@ import uuid
 from functools import lru_cache
 from importlib import resources
 
-from lopd.envs.base import (
+from lopd.envs.environment import (
     FINAL_MARKER, Action, Environment, Episode, FinalAnswer, Malformed, StepResult, Task, ToolCall,
     Verdict,
 )

@@ -14,7 +14,7 @@ import math
 import re
 from collections.abc import Callable
 
-from lopd.envs.base import Action, Episode, StepResult, Task, ToolCall, Verdict
+from lopd.envs.environment import Action, Episode, StepResult, Task, ToolCall, Verdict
 from lopd.envs.sandbox import Limits, Report, run
 
 _FENCE = re.compile(r"```[ \t]*(?:python|py|Python)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)

@@ -20,7 +20,7 @@ import json
 from functools import lru_cache
 from importlib import resources
 
-from lopd.envs.base import Environment, Task
+from lopd.envs.environment import Environment, Task
 from lopd.envs.codegen import CodeEpisode, fence
 from lopd.envs.sandbox import Limits
 

@@ -24,7 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from lopd.config import Config
-from lopd.report import domain_rows, format_table, key_value_table
+from lopd.tables import domain_rows, format_table, key_value_table
 
 DONE = ".done"
 
@@ -56,7 +56,7 @@ def run(cfg: Config, bank_tasks: int = 600, cold_start_steps: int = 60, lopd_ste
     if build_base:
         base_dir = out / "base"
         if not _done(base_dir):
-            from lopd.base import build_base as build
+            from lopd.base_model import build_base as build
 
             shutil.rmtree(base_dir, ignore_errors=True)
             _mark_done(base_dir, build(cfg, base_dir))

@@ -4,7 +4,7 @@ Why not ``model.generate``: it keeps finished rows in the batch until the longes
 scores are the *processed* logits. Here a row leaves the batch the moment it produces a stop token
 (its cache rows, mask and position are dropped), so in an agent batch an episode that answered in a
 few tokens costs nothing while the others continue, and the recorded log-probs are exactly the
-ones :class:`~lopd.rollout.base.Generation` documents.
+ones :class:`~lopd.rollout.engine.Generation` documents.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from transformers import DynamicCache
 
 from lopd.latent import splice_embeddings
 from lopd.models import IM_END, LATENT_TOKEN
-from lopd.rollout.base import Generation, RolloutEngine, SamplingParams
+from lopd.rollout.engine import Generation, RolloutEngine, SamplingParams
 
 
 def default_stop_token_ids(model, tokenizer) -> frozenset[int]:

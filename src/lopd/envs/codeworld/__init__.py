@@ -33,7 +33,7 @@ import random
 import textwrap
 from collections import Counter
 
-from lopd.envs.base import Environment, Task
+from lopd.envs.environment import Environment, Task
 from lopd.envs.codegen import REWARDS, CodeEpisode, extract_code, fence
 from lopd.envs.codeworld.problems import TEMPLATES, Problem
 from lopd.envs.sandbox import Limits, run_many

@@ -31,7 +31,7 @@ so an agent can only guess, while a solved task with the same code shows the pro
 values: experience carries what the request does not, the regime the method is for. Pre-training
 codes any task, at half that rate (about the share of train and eval tasks coded), with a code word
 drawn per task: the base learns to read a coded request from a reference with the same code (see
-:func:`lopd.base.with_references`), never what a code means. A coded task is the same instance as
+:func:`lopd.base_model.with_references`), never what a code means. A coded task is the same instance as
 its plain form (the key uses the plain request), so splits stay disjoint. (Writing the code into
 the plain requests too was tried: the tiny base's copying breaks on unseen words around the
 entities; plain success fell from 0.45 to 0.03-0.19.)
@@ -53,7 +53,7 @@ import re
 from collections import Counter
 from collections.abc import Sequence
 
-from lopd.envs.base import (
+from lopd.envs.environment import (
     FINAL_MARKER, Action, Environment, Episode, FinalAnswer, Malformed, StepResult, Task, ToolCall,
     Verdict)
 from lopd.envs.toolworld import ecommerce, healthcare, insurance, logistics

@@ -82,7 +82,7 @@ def test_reference_blocks_leave_the_action_targets_unchanged():
     from lopd.envs import get_env
     from lopd.latent import REFERENCE_PREFIX
 
-    tokenizer = models.load_tokenizer(models.resolve_model_path("tiny"))
+    tokenizer = models.load_tokenizer(models.resolve_model_path("toolworld-1m"))
     env = get_env("toolworld", seed=0, sizes={"eval": 2, "train": 2, "pretrain": 60})
     tasks = env.tasks("pretrain")
     rollouts = run_episodes(env, tasks, OraclePolicy(), tokenizer, max_turns=8,
@@ -131,7 +131,7 @@ def test_a_coded_request_sees_its_references_under_its_own_code():
     from lopd.agent import OraclePolicy, run_episodes
     from lopd.envs import get_env
 
-    tokenizer = models.load_tokenizer(models.resolve_model_path("tiny"))
+    tokenizer = models.load_tokenizer(models.resolve_model_path("toolworld-1m"))
     env = get_env("toolworld", seed=0, sizes={"eval": 2, "train": 2, "pretrain": 120},
                   coded_fraction=1.0)
     tasks = env.tasks("pretrain")

@@ -306,7 +306,7 @@ def build_base(cfg: Config, out_dir: str | Path, progress: bool = True, resume: 
     if bcfg.init_from:
         model, _ = models.load_model(bcfg.init_from)
     else:
-        model = models.build_model(tokenizer, preset=cfg.model.preset, seed=cfg.run.seed,
+        model = models.build_model(tokenizer, preset=cfg.model.architecture, seed=cfg.run.seed,
                                    max_position_embeddings=cfg.model.max_position_embeddings)
     model.to(device=device, dtype=dtype).train()
     lengths = data.lengths()
@@ -378,7 +378,7 @@ def build_base(cfg: Config, out_dir: str | Path, progress: bool = True, resume: 
         "path": str(out),
         "parameters": models.count_parameters(model),
         "vocab_size": len(tokenizer),
-        "preset": cfg.model.preset,
+        "architecture": cfg.model.architecture,
         "init_from": bcfg.init_from or None,
         "pretrain_transcripts": len(data),
         "tokens_per_transcript": round(len(data.ids) / len(data), 1),
