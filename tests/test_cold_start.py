@@ -8,7 +8,7 @@ from lopd.algorithms import cold_start as cs
 from lopd.composer import Composer
 from lopd.config import ColdStartConfig, ComposerConfig
 from lopd.envs import get_env
-from lopd.experience import EmbedderSpec, ExperienceBank, load_embedder
+from lopd.experience import EmbedderSpec, ExperienceBank, load_embedder, retrieve_traces
 
 SPEC = ComposerConfig(num_latents=4, depth=2, num_heads=4, max_experience_tokens=96)
 
@@ -29,12 +29,12 @@ def setting(tmp_path_factory):
 
 def test_retrieval_for_cold_start_is_leave_one_out(setting):
     _, _, bank, rollouts = setting
-    traces = cs.retrieve_traces(bank, rollouts[:5], n_ret=3)
+    traces = retrieve_traces(bank, rollouts[:5], n_ret=3)
     own = {r.task_id: r.compact_trace(bank.max_observation_chars) for r in rollouts}
     for rollout, found in zip(rollouts[:5], traces):
         assert len(found) == 3 and own[rollout.task_id] not in found
     with pytest.raises(ValueError, match="fewer than n_ret=100"):
-        cs.retrieve_traces(bank, rollouts[:1], n_ret=100)
+        retrieve_traces(bank, rollouts[:1], n_ret=100)
 
 
 def test_no_reference_nll_matches_a_plain_forward_pass(setting):

@@ -41,7 +41,7 @@ def test_a_tiny_comparison_runs_and_reuses_finished_runs(tmp_path, monkeypatch):
         "train.eval_every": 1, "train.save_every": 2, "rollout.max_turns": 2,
         "rollout.max_completion_length": 32, "rollout.batch_size": 4,
         "composer.num_latents": 4, "composer.depth": 2, "composer.max_experience_tokens": 96,
-        "bank.n_ret": 2, "train.num_generations": 2,
+        "bank.n_ret": 2, "grpo.num_generations": 2,
         "lopd.composer": inputs / "composer", "lopd.bank": inputs / "bank"}.items()]
     out = tmp_path / "cmp"
     report = cmp.compare("tiny", sets, ["base", "grpo", "lopd"], 2, out, {"grpo": 3e-4})

@@ -69,7 +69,7 @@ def test_unknown_preset_lists_presets():
 def test_every_field_is_documented():
     rows = describe()
     assert {key for key, _, _ in rows} >= {"train.learning_rate", "train.max_grad_norm",
-                                           "train.num_generations", "rollout.temperature",
-                                           "rollout.max_completion_length", "train.beta",
-                                           "train.epsilon", "train.epsilon_high", "run.seed"}
+                                           "grpo.num_generations", "rollout.temperature",
+                                           "rollout.max_completion_length", "grpo.beta",
+                                           "grpo.epsilon", "grpo.epsilon_high", "run.seed"}
     assert all(help_text for _, _, help_text in rows)

@@ -15,6 +15,7 @@ import yaml
 from conftest import LOPD_SPEC as SPEC
 from conftest import make_lopd_inputs
 from lopd import agent, models, trainer
+from lopd.algorithms.base import StepBatch
 from lopd.composer import Composer
 from lopd.config import load_config
 
@@ -44,7 +45,7 @@ def build(inputs, run_dir, **sets):
 
 def one_batch(t, step=1):
     tasks = trainer.tasks_for_step(t.train_tasks, 0, step, 4)
-    return trainer.StepBatch(step, tasks, t.rollouts(tasks, 1.0, seed=step))
+    return StepBatch(step, tasks, t.rollouts(tasks, 1.0, seed=step))
 
 
 def test_one_step_changes_student_and_composer_but_not_the_base(inputs, tmp_path):
@@ -103,7 +104,7 @@ def _deltas_on_a_fixed_batch(inputs, run_dir, steps, **sets):
     tasks = trainer.tasks_for_step(t.train_tasks, 0, 1, 4)
     rollouts = agent.run_episodes(t.env, tasks, agent.OraclePolicy(), t.ctx.tokenizer, 8, 96, 4)
     t.ctx.student.load_state_dict(models.build_model(t.ctx.tokenizer, "qwen3-1m", seed=1).state_dict())
-    batch = trainer.StepBatch(1, tasks, rollouts)
+    batch = StepBatch(1, tasks, rollouts)
     return [t.algorithm.step(batch)["delta"] for _ in range(steps)]
 
 
@@ -183,15 +184,15 @@ def test_grpo_step_changes_the_student_from_rewards_alone(inputs, tmp_path):
     from lopd.algorithms import get_algorithm
 
     cfg = config(inputs, **{"train.algorithm": "grpo", "train.learning_rate": 1e-3,
-                            "train.num_generations": 2, "train.num_iterations": 2,
-                            "train.beta": 0.1})
+                            "grpo.num_generations": 2, "grpo.num_iterations": 2,
+                            "grpo.beta": 0.1})
     t = trainer.Trainer(cfg, tmp_path / "run", get_algorithm("grpo"), progress=False)
     assert t.algorithm.group_size == 2
     pair = trainer.tasks_for_step(t.train_tasks, 0, 1, 2)
     # Each group: a junk rollout and the gold one, so the advantages are +-1.
     junk = agent.run_episodes(t.env, pair, agent.RandomPolicy(seed=0), t.ctx.tokenizer, 3, 48, 2)
     gold = agent.run_episodes(t.env, pair, agent.OraclePolicy(), t.ctx.tokenizer, 8, 96, 2)
-    batch = trainer.StepBatch(1, [pair[0], pair[0], pair[1], pair[1]],
+    batch = StepBatch(1, [pair[0], pair[0], pair[1], pair[1]],
                               [junk[0], gold[0], junk[1], gold[1]])
     assert [r.success for r in batch.rollouts] == [False, True, False, True]
     before = {k: v.clone() for k, v in t.ctx.student.state_dict().items()}

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from lopd import trainer
+from lopd.algorithms.base import Algorithm, Updater
 from lopd.config import load_config
 from lopd.envs import get_env
 
@@ -28,7 +29,7 @@ def test_each_epoch_visits_every_task_once_and_steps_are_reproducible(tasks):
 def test_updater_skips_and_counts_non_finite_updates():
     torch.manual_seed(0)
     layer = torch.nn.Linear(3, 1)
-    updater = trainer.Updater(layer.parameters(), learning_rate=0.1, max_grad_norm=1.0)
+    updater = Updater(layer.parameters(), learning_rate=0.1, max_grad_norm=1.0)
     before = [p.detach().clone() for p in layer.parameters()]
     out = updater.apply(layer(torch.tensor([[float("nan"), 1.0, 1.0]])).sum())
     assert out["skipped"] == 1.0 and updater.skipped == 1
@@ -44,7 +45,7 @@ def test_updater_skips_and_counts_non_finite_updates():
 def test_updater_needs_trainable_parameters():
     layer = torch.nn.Linear(2, 2).requires_grad_(False)
     with pytest.raises(ValueError, match="nothing to optimise"):
-        trainer.Updater(layer.parameters(), 0.1, 1.0)
+        Updater(layer.parameters(), 0.1, 1.0)
 
 
 def test_half_written_checkpoints_are_never_listed(tmp_path):
@@ -99,9 +100,9 @@ def test_validation_split_is_left_out_of_training(tmp_path, monkeypatch):
     def stop(self, ctx, checkpoint):
         raise Stop
 
-    monkeypatch.setattr(trainer.Algorithm, "__init__", stop)
+    monkeypatch.setattr(Algorithm, "__init__", stop)
 
-    class Probe(trainer.Algorithm):
+    class Probe(Algorithm):
         def step(self, batch):
             return {}
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from lopd import __version__
-from lopd.algorithms import ALGORITHMS
+from lopd.algorithms import algorithm_names
 from lopd.config import ConfigError, describe, load_config
 from lopd.tables import domain_rows, format_table, key_value_table, write_json
 
@@ -585,7 +585,7 @@ def cmd_compare(args) -> int:
     from lopd.experiments.compare import compare
 
     algos = [a.strip() for a in args.algos.split(",") if a.strip()]
-    allowed = {"base", *ALGORITHMS}
+    allowed = {"base", *algorithm_names()}
     if not algos or set(algos) - allowed:
         raise ValueError(f"--algos {args.algos!r}: choose from {sorted(allowed)}")
     if args.seeds < 1:
@@ -723,7 +723,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "steps, checkpoint every train.save_every steps. Writes config.yaml, "
                        "metrics.jsonl, eval.jsonl, TensorBoard events, checkpoints and "
                        "training.png into the run folder.")
-    p.add_argument("--algo", default="lopd", choices=sorted(ALGORITHMS), help="training algorithm")
+    p.add_argument("--algo", default="lopd", choices=algorithm_names(), help="training algorithm")
     p.add_argument("--out", help="new run folder")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
     _add_lopd_inputs(p)
@@ -753,7 +753,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "--validation-tasks training tasks (left out of training), never on the "
                        "eval split; prints the table and the best rate. Give every algorithm of a "
                        "comparison the same grid and steps.")
-    p.add_argument("--algo", required=True, choices=sorted(ALGORITHMS))
+    p.add_argument("--algo", required=True, choices=algorithm_names())
     p.add_argument("--lrs", default="3e-5,1e-4,3e-4", help="comma-separated learning rates")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--validation-tasks", type=int, default=100)

@@ -97,22 +97,18 @@ class RolloutConfig:
 class TrainConfig:
     """Optimisation settings shared by every training algorithm (same budget for all methods)."""
 
-    algorithm: Literal["lopd", "grpo"] = knob("lopd", "Training algorithm (`lopd train --algo`).")
+    algorithm: str = knob("lopd", "Training algorithm (`lopd train --algo`): any registered method "
+                          "(`lopd train --help` lists them).")
     learning_rate: float = knob(1e-5, "AdamW learning rate of the student.", gt=0.0)
     max_grad_norm: float = knob(1.0, "Gradient-norm clip of the student update.", gt=0.0)
     weight_decay: float = knob(0.0, "AdamW weight decay.", ge=0.0)
     rollouts_per_step: int = knob(32, "Rollouts (generations) collected for one training step.", ge=1)
-    num_generations: int = knob(
-        4, "Rollouts per task in one step (GRPO's group size G).", ge=1)
+    per_device_train_batch_size: int = knob(
+        0, "Rollouts scored together in one forward/backward pass (TRL's name); a step's "
+        "rollouts are split into micro-batches of this size and their gradients accumulated, "
+        "weighted by tokens, so the update equals one pass over the whole step. 0 = the whole "
+        "step in one pass. Lower it when a step does not fit in memory.", ge=0)
     max_steps: int = knob(50, "Training steps.", ge=1)
-    beta: float = knob(0.0, "Coefficient of the KL-to-reference penalty (GRPO; 0 disables it).",
-                       ge=0.0)
-    num_iterations: int = knob(1, "Policy updates per batch of rollouts (GRPO's μ); > 1 keeps the "
-                               "first pass's log-probs as the old policy.", ge=1)
-    epsilon: float = knob(0.2, "Lower PPO clip range: ratios below 1 - epsilon are clipped.",
-                          gt=0.0, lt=1.0)
-    epsilon_high: float = knob(0.2, "Upper PPO clip range: ratios above 1 + epsilon_high are "
-                               "clipped.", gt=0.0)
     eval_every: int = knob(10, "Evaluate on held-out tasks every this many steps (and at steps 0 "
                            "and max_steps).", ge=1)
     eval_tasks: int = knob(200, "Held-out (eval split) tasks per evaluation, the first ones of the "
@@ -127,26 +123,6 @@ class TrainConfig:
     student_lora_r: int = knob(16, "LoRA rank of the student when train.student is 'lora'.", ge=1)
     student_lora_alpha: int = knob(32, "LoRA alpha of the student when train.student is 'lora'.",
                                    ge=1)
-
-
-@dataclass
-class LopdConfig:
-    """LOPD: the composer's privileged-margin objective and where its inputs come from."""
-
-    composer: str = knob("", "Cold-started composer folder (`lopd cold-start`); its φ is also the "
-                         "anchor φ0.")
-    bank: str = knob("", "Experience bank folder; the run trains on its own copy, the original "
-                     "is never changed.")
-    top_m: int = knob(20, "M: the teacher's most likely tokens kept per position; the rest is "
-                      "one tail bucket.", ge=1)
-    margin: float = knob(0.05, "m: the privileged margin the teacher must keep, Δ >= m.")
-    anchor_weight: float = knob(0.2, "λ_anchor: weight of mean((Z_φ - Z_φ0)^2).", ge=0.0)
-    dual_lr: float = knob(0.5, "η_β: step size of the dual variable β.", ge=0.0)
-    dual_init: float = knob(0.0, "β_init: starting value of the dual variable.", ge=0.0)
-    composer_learning_rate: float = knob(1e-5, "AdamW learning rate of φ (LoRA + compressor).",
-                                         gt=0.0)
-    composer_max_grad_norm: float = knob(1.0, "Gradient-norm clip of the composer update.", gt=0.0)
-    add_successes: bool = knob(True, "Add the step's successful rollouts to the bank.")
 
 
 @dataclass
@@ -319,10 +295,42 @@ class Config:
     bank: BankConfig = field(default_factory=BankConfig)
     composer: ComposerConfig = field(default_factory=ComposerConfig)
     cold_start: ColdStartConfig = field(default_factory=ColdStartConfig)
-    lopd: LopdConfig = field(default_factory=LopdConfig)
+    methods: dict[str, Any] = field(default_factory=lambda: _method_defaults(), repr=False)
+    """One section per registered training algorithm that declares one (``lopd``, ``grpo``, ...),
+    reached as ``cfg.lopd``; declared next to the algorithm (:mod:`lopd.algorithms`)."""
+
+    def __getattr__(self, name: str) -> Any:
+        methods = self.__dict__.get("methods")
+        if methods is not None and name in methods:
+            return methods[name]
+        raise AttributeError(f"the config has no section {name!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = {f.name: dataclasses.asdict(getattr(self, f.name))
+                for f in dataclasses.fields(self) if f.name != "methods"}
+        data.update({name: dataclasses.asdict(section) for name, section in self.methods.items()})
+        return data
+
+    def with_overrides(self, overrides: typing.Sequence[str]) -> Config:
+        """A copy with ``section.key=value`` overrides applied (validated like ``--set``)."""
+        data = self.to_dict()
+        for assignment in overrides:
+            _apply_override(data, assignment)
+        return from_dict(Config, data)
+
+
+def _method_sections() -> dict[str, type]:
+    from lopd.algorithms import config_sections
+
+    return config_sections()
+
+
+def _method_defaults() -> dict[str, Any]:
+    return {name: cls() for name, cls in _method_sections().items()}
+
+
+def core_sections() -> list[str]:
+    return [f.name for f in dataclasses.fields(Config) if f.name != "methods"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -409,6 +417,8 @@ def from_dict(cls: type, data: typing.Mapping[str, Any] | None, prefix: str = ""
     where = prefix.rstrip(".") or "the top level"
     if not isinstance(data, typing.Mapping):
         raise ConfigError(f"{where}: expected a mapping of keys to values, got {data!r}")
+    if cls is Config:
+        return _config_from_dict(data)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     for key in data:
@@ -431,6 +441,31 @@ def from_dict(cls: type, data: typing.Mapping[str, Any] | None, prefix: str = ""
     return cls(**kwargs)
 
 
+def _config_from_dict(data: typing.Mapping[str, Any]) -> Config:
+    """The top level: the core sections, then one section per registered algorithm."""
+    from lopd.algorithms import algorithm_names
+
+    sections = _method_sections()
+    allowed = [*core_sections(), *sections]
+    for key in data:
+        if key not in allowed:
+            close = difflib.get_close_matches(str(key), allowed, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"unknown key '{key}'{hint}; allowed keys in the top level: "
+                              + ", ".join(allowed))
+    hints = typing.get_type_hints(Config)
+    kwargs = {name: from_dict(hints[name], data[name], f"{name}.") for name in core_sections()
+              if name in data}
+    kwargs["methods"] = {name: from_dict(cls, data.get(name), f"{name}.")
+                         for name, cls in sections.items()}
+    cfg = Config(**kwargs)
+    names = algorithm_names()
+    if cfg.train.algorithm not in names:
+        raise ConfigError(f"train.algorithm: got {cfg.train.algorithm!r}; allowed values: "
+                          + ", ".join(repr(n) for n in names))
+    return cfg
+
+
 def _apply_override(data: dict[str, Any], assignment: str) -> None:
     if "=" not in assignment:
         raise ConfigError(f"--set {assignment!r}: expected section.key=value")
@@ -439,7 +474,7 @@ def _apply_override(data: dict[str, Any], assignment: str) -> None:
     if len(parts) < 2:
         raise ConfigError(f"--set {assignment!r}: the key must name a section and a field, "
                           f"e.g. train.learning_rate=3e-4; sections: "
-                          + ", ".join(f.name for f in dataclasses.fields(Config)))
+                          + ", ".join([*core_sections(), *_method_sections()]))
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
@@ -502,6 +537,12 @@ def describe(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str]]
     """(key, default, help) for every field, for ``lopd config`` and the docs."""
     rows = []
     hints = typing.get_type_hints(cls)
+    if cls is Config:
+        for name in core_sections():
+            rows.extend(describe(hints[name], f"{name}."))
+        for name, section in _method_sections().items():
+            rows.extend(describe(section, f"{name}."))
+        return rows
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         if dataclasses.is_dataclass(tp):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import sqlite3
 import time
@@ -690,3 +691,30 @@ def retrieval_quality(bank: ExperienceBank, queries: Sequence[Task], k: int = 3,
     result["k"] = k
     result["per_domain"] = {d: figures(p) for d, p in sorted(by_domain.items())}
     return result
+
+
+def retrieve_traces(bank: ExperienceBank, rollouts: Sequence, n_ret: int,
+                    leave_one_out: bool = True) -> list[list[str]]:
+    """The compact traces of the ``n_ret`` nearest bank entries for each rollout's task."""
+    hits = bank.search([r.instruction for r in rollouts], n_ret,
+                       exclude_task_ids=[r.task_id if leave_one_out else None for r in rollouts])
+    traces = []
+    for rollout, found in zip(rollouts, hits):
+        if len(found) < n_ret:
+            raise ValueError(f"the bank returned {len(found)} experiences for task {rollout.task_id}, "
+                             f"fewer than n_ret={n_ret}: add more successes to the bank")
+        traces.append([hit.entry.trace for hit in found])
+    return traces
+
+
+def random_traces(bank: ExperienceBank, rollouts: Sequence, n_ret: int,
+                  seed: int) -> list[list[str]]:
+    """``n_ret`` bank entries drawn at random (never the rollout's own task) per rollout."""
+    rng = random.Random(seed)
+    entries = bank.entries
+    traces = []
+    for rollout in rollouts:
+        pool = [e for e in rng.sample(entries, min(len(entries), 4 * n_ret))
+                if e.task_id != rollout.task_id]
+        traces.append([e.trace for e in pool[:n_ret]])
+    return traces

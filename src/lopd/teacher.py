@@ -88,3 +88,95 @@ def action_logits(model, batch: ScoringBatch, latents: torch.Tensor | None = Non
     logits = model.get_output_embeddings()(hidden[:, :-1][predicts_action])
     return ActionLogits(logits, batch.input_ids[:, 1:][predicts_action], rows)
 
+
+
+def teacher_pass(composer, rollouts, fmt: ReferenceFormat, latents: torch.Tensor | None = None,
+                 blocks: Sequence[Sequence[int]] | None = None) -> ActionLogits:
+    """The frozen teacher (the composer's base, adapter off) scoring each rollout's action tokens.
+
+    With ``latents`` (B, n_ret·K, d) the reference block is n_ret·K sentinels and the latents are
+    spliced over them, keeping the graph to the composer; with ``blocks`` (token ids per rollout,
+    e.g. traces as text) those are inserted; with neither the teacher reads the rollout as the
+    student did. The one teacher pass of the cold start, the LOPD step and the diagnostics.
+    """
+    if latents is not None:
+        blocks = [fmt.latent_block(latents.size(1))] * len(rollouts)
+    batch = scoring_batch([r.input_ids for r in rollouts], [r.action_mask for r in rollouts],
+                          composer.tokenizer.pad_token_id, blocks, fmt).to(composer.base.device)
+    with composer.teacher() as teacher:
+        return action_logits(teacher, batch, latents, fmt.latent_id)
+
+
+# ----------------------------------------------------------------------------------------------
+# Teacher views: how a method's teacher sees a rollout (see lopd.algorithms.base)
+
+
+class TeacherView:
+    """How the teacher sees a micro-batch of rollouts; :meth:`score` gives its action-token scores.
+
+    ``frozen`` views have no gradient and give the same scores on every pass over a step (the
+    shared step computes them once per micro-batch); others (a latent context whose composer
+    learns) are recomputed.
+    """
+
+    kind: str = ""
+    frozen: bool = True
+
+    def score(self, rollouts, context: Sequence | None) -> tuple[ActionLogits, dict]:
+        """(scores at the action tokens, extras) for ``rollouts``; ``context`` is the per-rollout
+        privileged context the method prepared in ``before_step`` (None when it needs none)."""
+        raise NotImplementedError
+
+
+class OtherWeights(TeacherView):
+    """The rollout as the student saw it, scored by other weights (a frozen reference, an EMA
+    copy), without gradient."""
+
+    kind = "weights"
+
+    def __init__(self, model, pad_id: int):
+        self.model, self.pad_id = model, pad_id
+
+    @torch.no_grad()
+    def score(self, rollouts, context=None) -> tuple[ActionLogits, dict]:
+        batch = scoring_batch([r.input_ids for r in rollouts], [r.action_mask for r in rollouts],
+                              self.pad_id).to(self.model.device)
+        return action_logits(self.model, batch), {}
+
+
+class LatentContext(TeacherView):
+    """LOPD's view: the frozen base reads latents composed from each rollout's retrieved
+    experiences (``context[i]``: the compact traces) in a reference block of its first user
+    message. The graph to the composer is kept; with ``anchor`` the frozen cold-start composer's
+    latents Z_φ0 come along (no gradient) in ``extras``."""
+
+    kind = "latent"
+    frozen = False
+
+    def __init__(self, composer, fmt: ReferenceFormat, anchor: bool = False):
+        self.composer, self.fmt, self.anchor = composer, fmt, anchor
+
+    def score(self, rollouts, context) -> tuple[ActionLogits, dict]:
+        instructions = [r.instruction for r in rollouts]
+        traces = [list(t) for t in context]
+        latents = self.composer.encode(instructions, traces)
+        extras = {"latents": latents}
+        if self.anchor:
+            with torch.no_grad():
+                extras["anchor_latents"] = self.composer.encode(instructions, traces, anchor=True)
+        return teacher_pass(self.composer, rollouts, self.fmt, latents=latents), extras
+
+
+class TextContext(TeacherView):
+    """The frozen base (adapter off) reads privileged text — ``context[i]``: the texts, e.g.
+    retrieved traces or a demonstration — in the reference block, without gradient."""
+
+    kind = "text"
+
+    def __init__(self, composer, fmt: ReferenceFormat):
+        self.composer, self.fmt = composer, fmt
+
+    @torch.no_grad()
+    def score(self, rollouts, context) -> tuple[ActionLogits, dict]:
+        blocks = [self.fmt.text_block(self.composer.tokenizer, list(t)) for t in context]
+        return teacher_pass(self.composer, rollouts, self.fmt, blocks=blocks), {}

@@ -20,7 +20,6 @@ import re
 import resource
 import shutil
 import time
-from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,12 +28,11 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from lopd import models, runtime
-from lopd.agent import ModelPolicy, Rollout, rollout_episodes, summarize
+from lopd import models, pipeline, runtime
+from lopd.agent import Rollout
+from lopd.algorithms.base import Panel, StepBatch, Updater
 from lopd.config import Config, ConfigError
-from lopd.envs import get_env
 from lopd.envs.environment import Task
-from lopd.rollout import SamplingParams, TransformersEngine
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -49,54 +47,7 @@ class RunError(ValueError):
 
 
 # ----------------------------------------------------------------------------------------------
-# What an algorithm gets and gives
-
-
-@dataclass
-class StepBatch:
-    """One step's on-policy data: ``rollouts[i]`` is the student's episode on ``tasks[i]``."""
-
-    step: int
-    tasks: list[Task]
-    rollouts: list[Rollout]
-
-    @property
-    def rewards(self) -> torch.Tensor:
-        return torch.tensor([r.reward for r in self.rollouts], dtype=torch.float32)
-
-
-class Updater:
-    """One AdamW optimiser over some parameters: backward, finite check, clip, step.
-
-    An update whose loss or gradient norm is not finite is skipped (weights and optimiser state
-    untouched) and counted in :attr:`skipped`.
-    """
-
-    def __init__(self, params, learning_rate: float, max_grad_norm: float, weight_decay: float = 0.0):
-        self.params = [p for p in params if p.requires_grad]
-        if not self.params:
-            raise ValueError("nothing to optimise: no parameter requires a gradient")
-        self.optimizer = torch.optim.AdamW(self.params, lr=learning_rate, weight_decay=weight_decay)
-        self.max_grad_norm = max_grad_norm
-        self.skipped = 0
-
-    def apply(self, loss: torch.Tensor) -> dict[str, float]:
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
-        if not (torch.isfinite(norm) and torch.isfinite(loss.detach())):
-            self.optimizer.zero_grad(set_to_none=True)
-            self.skipped += 1
-            return {"grad_norm": float(norm), "skipped": 1.0}
-        self.optimizer.step()
-        return {"grad_norm": float(norm), "skipped": 0.0}
-
-    def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "skipped": self.skipped}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.skipped = state["skipped"]
+# What the loop hands an algorithm
 
 
 @dataclass
@@ -112,45 +63,6 @@ class TrainContext:
     train_tasks: dict[str, Task]
     run_dir: Path
     student_updater: Updater
-
-
-@dataclass(frozen=True)
-class Panel:
-    """One panel of the run's plot: metric keys drawn against generations, and optional guide."""
-
-    title: str
-    keys: tuple[str, ...]
-    hline: float | None = None
-    hline_label: str = ""
-
-
-class Algorithm(ABC):
-    """How one method turns a batch of on-policy rollouts into updates."""
-
-    name: str = ""
-    group_size: int = 1
-    """Rollouts per task in one step (GRPO-style groups; 1 = every rollout a different task)."""
-
-    def __init__(self, ctx: TrainContext, checkpoint: Path | None):
-        self.ctx = ctx
-
-    @abstractmethod
-    def step(self, batch: StepBatch) -> dict[str, float]:
-        """Update the student (and whatever else the method learns); return scalar metrics."""
-
-    def panels(self) -> list[Panel]:
-        """Extra plot panels for this method's metrics."""
-        return []
-
-    def state_dict(self) -> dict:
-        """Tensors and numbers to resume from (optimisers, dual variables, ...)."""
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
-    def save(self, folder: Path) -> None:
-        """Write artefacts that are not plain state (a composer, a bank) into ``folder``."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -259,24 +171,17 @@ class Trainer:
             raise RunError(f"{self.run_dir} already holds a run; resume it with --resume "
                            f"{self.run_dir} or choose a new --out")
         checkpoint = found[-1] if self.resume else None
+        cfg = self.cfg
+        pipeline.check_engine(cfg.rollout)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if not self.resume:
             write_config(self.cfg, self.run_dir / CONFIG_FILE)
 
-        cfg = self.cfg
         self.device = runtime.setup(cfg.run)
         self.dtype = runtime.resolve_dtype(cfg.run.dtype, self.device)
-        self.env = get_env(cfg.env.name, **cfg.env.kwargs())
-        train_tasks = self.env.tasks("train")
-        if cfg.train.eval_split == "validation":
-            n = cfg.train.eval_tasks or 200
-            if n >= len(train_tasks):
-                raise ConfigError(f"train.eval_tasks={n} validation tasks leave no training task "
-                                  f"of {len(train_tasks)}")
-            train_tasks, self.eval_tasks = train_tasks[:-n], train_tasks[-n:]
-        else:
-            self.eval_tasks = self.env.tasks("eval")[: cfg.train.eval_tasks or None]
-        self.train_tasks = train_tasks
+        self.env = pipeline.get_env(cfg)
+        self.train_tasks, self.eval_tasks = pipeline.held_out_tasks(cfg, self.env)
+        train_tasks = self.train_tasks
         student, tokenizer = self._load_student(checkpoint)
         updater = Updater(student.parameters(), cfg.train.learning_rate, cfg.train.max_grad_norm,
                           cfg.train.weight_decay)
@@ -287,7 +192,7 @@ class Trainer:
             raise ConfigError(f"train.rollouts_per_step={cfg.train.rollouts_per_step} must be a "
                               f"multiple of {self.algorithm.name}'s group size "
                               f"{self.algorithm.group_size}")
-        self.engine = TransformersEngine(student, tokenizer)
+        self.engine = pipeline.make_engine(cfg.rollout, student, tokenizer)
         self.start_step, self.generations = 0, 0
         if checkpoint is not None:
             self._restore(checkpoint)
@@ -366,21 +271,24 @@ class Trainer:
 
     # -- rollouts and evaluation --------------------------------------------------------------
 
+    def _policy(self, temperature: float, seed: int):
+        return pipeline.model_policy(self.cfg, self.ctx.student, self.ctx.tokenizer, temperature,
+                                     seed, engine=self.engine)
+
     def rollouts(self, tasks: list[Task], temperature: float, seed: int | None) -> list[Rollout]:
-        cfg = self.cfg.rollout
-        params = SamplingParams.from_config(cfg, temperature, seed)
         self.ctx.student.eval()
         with torch.no_grad():
-            return rollout_episodes(self.env, tasks,
-                                    ModelPolicy(self.engine, self.ctx.tokenizer, params),
-                                    self.ctx.tokenizer, cfg)
+            return pipeline.run_episodes(self.cfg, self.env, tasks, self._policy(temperature, seed),
+                                         self.ctx.tokenizer, progress=False)
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Greedy (rollout.eval_temperature) episodes on the held-out tasks."""
         start = time.perf_counter()
-        episodes = self.rollouts(self.eval_tasks, self.cfg.rollout.eval_temperature,
-                                 step_seed(self.cfg.run.seed, -1))
-        summary = summarize(episodes)
+        self.ctx.student.eval()
+        summary, _ = pipeline.evaluate(self.cfg, self.env, self.eval_tasks,
+                                       self._policy(self.cfg.rollout.eval_temperature,
+                                                    step_seed(self.cfg.run.seed, -1)),
+                                       self.ctx.tokenizer, progress=False)
         record = {"step": step, "generations": self.generations,
                   "seconds": round(time.perf_counter() - start, 2), **summary}
         with (self.run_dir / EVAL_FILE).open("a") as f:

@@ -3,7 +3,8 @@
 Before any on-policy training, the composer is fitted alone: for every successful trajectory τ_i in
 the bank, retrieve n_ret *other* experiences (leave-one-out), compose their latents Z, and minimise
 the frozen teacher's negative log-likelihood of τ_i's action tokens given Z. The base never
-changes; only the LoRA adapter ψ and the compressor χ learn.
+changes; only the LoRA adapter ψ and the compressor χ learn. Each update runs on the shared
+micro-batched step (:class:`ColdStart`, :mod:`lopd.algorithms.base`).
 
 :func:`latent_information` then measures whether the latents carry information, on held-out
 successes: the teacher's NLL per action token with no reference, with retrieved latents, with
@@ -22,36 +23,12 @@ import torch
 from tqdm.auto import tqdm
 
 from lopd.agent import Rollout
+from lopd.algorithms.base import LossTerms, MicroBatch, Scores, SharedStep, StepBatch, Totals, Updater
 from lopd.composer import Composer
+from lopd.experience import random_traces, retrieve_traces
 from lopd.latent import ReferenceFormat
 from lopd.losses import per_row_mean
-from lopd.teacher import ActionLogits, action_logits, scoring_batch
-
-
-def retrieve_traces(bank, rollouts: Sequence[Rollout], n_ret: int,
-                    leave_one_out: bool = True) -> list[list[str]]:
-    """The compact traces of the ``n_ret`` nearest bank entries for each rollout's task."""
-    hits = bank.search([r.instruction for r in rollouts], n_ret,
-                       exclude_task_ids=[r.task_id if leave_one_out else None for r in rollouts])
-    traces = []
-    for rollout, found in zip(rollouts, hits):
-        if len(found) < n_ret:
-            raise ValueError(f"the bank returned {len(found)} experiences for task {rollout.task_id}, "
-                             f"fewer than n_ret={n_ret}: add more successes to the bank")
-        traces.append([hit.entry.trace for hit in found])
-    return traces
-
-
-def random_traces(bank, rollouts: Sequence[Rollout], n_ret: int, seed: int) -> list[list[str]]:
-    """``n_ret`` bank entries drawn at random (never the rollout's own task) per rollout."""
-    rng = random.Random(seed)
-    entries = bank.entries
-    traces = []
-    for rollout in rollouts:
-        pool = [e for e in rng.sample(entries, min(len(entries), 4 * n_ret))
-                if e.task_id != rollout.task_id]
-        traces.append([e.trace for e in pool[:n_ret]])
-    return traces
+from lopd.teacher import LatentContext, teacher_pass
 
 
 def teacher_nll(composer: Composer, rollouts: Sequence[Rollout], fmt: ReferenceFormat,
@@ -72,37 +49,50 @@ def teacher_nll(composer: Composer, rollouts: Sequence[Rollout], fmt: ReferenceF
     return per_row_mean(-scored.token_logprobs(), scored.rows, len(rollouts))[0]
 
 
-def teacher_pass(composer: Composer, rollouts: Sequence[Rollout], fmt: ReferenceFormat,
-                 latents: torch.Tensor | None = None,
-                 blocks: Sequence[Sequence[int]] | None = None) -> ActionLogits:
-    """The frozen teacher (adapter off) scoring each rollout's action tokens with a reference block.
+class ColdStart(SharedStep):
+    """One cold-start update on the shared step: the frozen teacher (adapter off) reads latents of
+    each success's retrieved experiences; the loss is its NLL of the success's action tokens,
+    mean per trajectory, then over the batch. Only φ (LoRA ψ + compressor χ) learns."""
 
-    With ``latents`` (B, n_ret·K, d) the block is n_ret·K sentinels and the latents are spliced over
-    them, keeping the graph to the composer; with ``blocks`` (token ids per rollout, e.g. traces as
-    text) those are inserted; with neither the teacher reads the rollout as the student did.
-    The one teacher pass of both the cold start and the LOPD step.
-    """
-    if latents is not None:
-        blocks = [fmt.latent_block(latents.size(1))] * len(rollouts)
-    batch = scoring_batch([r.input_ids for r in rollouts], [r.action_mask for r in rollouts],
-                          composer.tokenizer.pad_token_id, blocks, fmt).to(composer.base.device)
-    with composer.teacher() as teacher:
-        return action_logits(teacher, batch, latents, fmt.latent_id)
+    def __init__(self, composer: Composer, cfg, micro_batch_size: int = 0):
+        self.composer = composer
+        self.teacher = LatentContext(composer, ReferenceFormat.for_tokenizer(composer.tokenizer))
+        self.micro_batch_size = micro_batch_size
+        self.device = composer.base.device
+        self.pad_id = composer.tokenizer.pad_token_id
+        self.updater = Updater(composer.trainable_parameters(), cfg.learning_rate,
+                               cfg.max_grad_norm, cfg.weight_decay)
+
+    def updaters(self) -> dict[str, Updater]:
+        return {"composer": self.updater}
+
+    def before_step(self, batch: StepBatch) -> dict:
+        return {"teacher_context": batch.context}
+
+    def loss(self, micro: MicroBatch, scores: Scores, state: dict, totals: Totals) -> LossTerms:
+        teacher = scores.teacher
+        nll = per_row_mean(-teacher.token_logprobs(), teacher.rows, len(micro.rollouts))[0]
+        share = nll.sum() / totals.rollouts
+        return LossTerms({"composer": share}, {"nll": share.detach()})
 
 
 def cold_start(composer: Composer, bank, successes: Sequence[Rollout], cfg, n_ret: int,
-               seed: int = 0, progress: bool = True) -> list[dict]:
-    """Fit φ on ``successes`` (training-split rollouts); returns the per-step history."""
+               seed: int = 0, progress: bool = True, micro_batch_size: int = 0) -> list[dict]:
+    """Fit φ on ``successes`` (training-split rollouts); returns the per-step history.
+
+    ``micro_batch_size`` splits each batch of ``cold_start.batch_size`` successes into passes of
+    that many (gradients accumulated; the same update).
+    """
     if not successes:
         raise ValueError("cold start needs successful rollouts; build the bank first")
-    fmt = ReferenceFormat.for_tokenizer(composer.tokenizer)
     traces = retrieve_traces(bank, successes, n_ret)
-    optimizer = torch.optim.AdamW(composer.trainable_parameters(), lr=cfg.learning_rate,
-                                  weight_decay=cfg.weight_decay)
+    step_fn = ColdStart(composer, cfg, micro_batch_size)
     rng = random.Random(seed)
     order = list(range(len(successes)))
     steps_per_epoch = -(-len(order) // cfg.batch_size)
-    total = min(cfg.max_steps, cfg.epochs * steps_per_epoch) if cfg.max_steps else cfg.epochs * steps_per_epoch
+    total = cfg.epochs * steps_per_epoch
+    if cfg.max_steps:
+        total = min(cfg.max_steps, total)
     history = []
     composer.train()
     start = time.perf_counter()
@@ -114,15 +104,11 @@ def cold_start(composer: Composer, bank, successes: Sequence[Rollout], cfg, n_re
             if step >= total:
                 break
             idx = order[i:i + cfg.batch_size]
-            nll = teacher_nll(composer, [successes[j] for j in idx], fmt, [traces[j] for j in idx],
-                              "latent").mean()
-            optimizer.zero_grad(set_to_none=True)
-            nll.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(composer.trainable_parameters(),
-                                                       cfg.max_grad_norm)
-            optimizer.step()
+            figures = step_fn.step(StepBatch(step + 1, [], [successes[j] for j in idx],
+                                             context=[traces[j] for j in idx]))
             step += 1
-            history.append({"step": step, "nll": nll.item(), "grad_norm": grad_norm.item(),
+            history.append({"step": step, "nll": figures["nll"],
+                            "grad_norm": figures["composer/grad_norm"],
                             "seconds": round(time.perf_counter() - start, 2)})
             bar.update(1)
             bar.set_postfix(nll=f"{history[-1]['nll']:.4f}")

@@ -1,77 +1,84 @@
 """GRPO: group-normalised advantages and token-level PPO-clip, from rewards only (no teacher).
 
-The trainer runs ``train.num_generations`` (G) rollouts of each task side by side; each rollout's
+The trainer runs ``grpo.num_generations`` (G) rollouts of each task side by side; each rollout's
 advantage is its reward minus the group's mean over the group's std, given to every action token of
-the rollout. The student minimises the PPO-clip loss (ε_lo = ``train.epsilon``, ε_hi =
-``train.epsilon_high``) averaged over all action tokens of the batch, ``train.num_iterations``
+the rollout. The student minimises the PPO-clip loss (ε_lo = ``grpo.epsilon``, ε_hi =
+``grpo.epsilon_high``) averaged over all action tokens of the batch, ``grpo.num_iterations`` (μ)
 times per batch. With one iteration the "old" policy is the current one (ratio 1, gradient of
-A·log π); with more, the old log-probs are those of the first pass, kept fixed. ``train.beta`` > 0
-adds the k3 estimate of KL(π ‖ π_ref) to the frozen base, per token.
+A·log π); with more, the old log-probs are those of the first pass, kept fixed. ``grpo.beta`` > 0
+adds the k3 estimate of KL(π ‖ π_ref) to the frozen base, per token: the reference is this
+method's teacher view (other weights, no gradient).
 """
 
 from __future__ import annotations
 
-import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from lopd import losses, models
-from lopd.teacher import action_logits, scoring_batch
-from lopd.trainer import Algorithm, Panel, StepBatch, TrainContext
+from lopd import losses
+from lopd.algorithms import register
+from lopd.algorithms.base import Algorithm, LossTerms, MicroBatch, Panel, Scores, StepBatch, Totals
+from lopd.config import knob
+from lopd.teacher import OtherWeights
 
 
+@dataclass
+class GRPOConfig:
+    """GRPO's knobs (TRL's names)."""
+
+    num_generations: int = knob(4, "Rollouts per task in one step (the group size G).", ge=1)
+    beta: float = knob(0.0, "Coefficient of the KL-to-reference penalty (0 disables it).", ge=0.0)
+    num_iterations: int = knob(1, "Policy updates per batch of rollouts (μ); > 1 keeps the first "
+                               "pass's log-probs as the old policy.", ge=1)
+    epsilon: float = knob(0.2, "Lower PPO clip range: ratios below 1 - epsilon are clipped.",
+                          gt=0.0, lt=1.0)
+    epsilon_high: float = knob(0.2, "Upper PPO clip range: ratios above 1 + epsilon_high are "
+                               "clipped.", gt=0.0)
+
+
+@register
 class GRPO(Algorithm):
     name = "grpo"
+    config_class = GRPOConfig
 
-    def __init__(self, ctx: TrainContext, checkpoint: Path | None):
+    def __init__(self, ctx, checkpoint: Path | None):
         super().__init__(ctx, checkpoint)
-        self.group_size = ctx.cfg.train.num_generations
-        self.reference = None
-        if ctx.cfg.train.beta > 0:
-            self.reference, _ = models.load_model(ctx.cfg.model.name_or_path, device=ctx.device,
-                                                  dtype=ctx.dtype)
-            self.reference.eval().requires_grad_(False)
+        spec = self.spec = ctx.cfg.grpo
+        self.group_size = spec.num_generations
+        self.passes = spec.num_iterations
+        if spec.beta > 0:
+            from lopd import pipeline
 
-    def _token_logprobs(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        scored = action_logits(model, batch)
-        return scored.token_logprobs(), scored.rows
+            reference, _ = pipeline.load_model(ctx.cfg, device=ctx.device)
+            self.teacher = OtherWeights(reference.requires_grad_(False), self.pad_id)
 
-    def step(self, batch: StepBatch) -> dict[str, float]:
-        ctx, cfg = self.ctx, self.ctx.cfg.train
-        clock = time.perf_counter()
-        rollouts = batch.rollouts
-        scoring = scoring_batch([r.input_ids for r in rollouts], [r.action_mask for r in rollouts],
-                                ctx.tokenizer.pad_token_id).to(ctx.device)
-        advantages = losses.group_advantages(batch.rewards.to(ctx.device), self.group_size)
-        reference = None
-        if self.reference is not None:
-            with torch.no_grad():
-                reference, _ = self._token_logprobs(self.reference, scoring)
-        old = None
-        figures: dict[str, float] = {}
-        for iteration in range(cfg.num_iterations):
-            logprobs, rows = self._token_logprobs(ctx.student, scoring)
-            if old is None:
-                old = logprobs.detach()
-            token_adv = advantages[rows]
-            per_token = losses.ppo_clip(logprobs, old, token_adv, cfg.epsilon, cfg.epsilon_high)
-            kl = torch.zeros((), device=ctx.device)
-            if reference is not None:
-                log_ratio = reference - logprobs
-                kl = (torch.exp(log_ratio) - log_ratio - 1).mean()
-            loss = per_token.mean() + cfg.beta * kl
-            update = ctx.student_updater.apply(loss)
-            ratio = torch.exp(logprobs.detach() - old)
-            clipped = ((ratio < 1 - cfg.epsilon) | (ratio > 1 + cfg.epsilon_high)).float().mean()
-            figures = {"loss": loss.item(), "kl_ref": kl.item(), "clip_fraction": clipped.item(),
-                       "student/grad_norm": update["grad_norm"]}
+    def before_step(self, batch: StepBatch) -> dict:
+        rewards = batch.rewards.to(self.device)
+        return {"advantages": losses.group_advantages(rewards, self.group_size), "old": {}}
+
+    def loss(self, micro: MicroBatch, scores: Scores, state: dict, totals: Totals) -> LossTerms:
+        spec = self.spec
+        logprobs = scores.student.token_logprobs()
+        old = state["old"].setdefault(micro.index, logprobs.detach())
+        token_adv = micro.take(state["advantages"])[scores.student.rows]
+        per_token = losses.ppo_clip(logprobs, old, token_adv, spec.epsilon, spec.epsilon_high)
+        n = totals.action_tokens
+        kl = torch.zeros((), device=logprobs.device)
+        if scores.teacher is not None:
+            log_ratio = scores.teacher.token_logprobs() - logprobs
+            kl = (torch.exp(log_ratio) - log_ratio - 1).sum() / n
+        loss = per_token.sum() / n + spec.beta * kl
+        ratio = torch.exp(logprobs.detach() - old)
+        clipped = ((ratio < 1 - spec.epsilon) | (ratio > 1 + spec.epsilon_high)).float().sum() / n
+        return LossTerms({"student": loss}, {"loss": loss.detach(), "kl_ref": kl.detach(),
+                                             "clip_fraction": clipped})
+
+    def after_update(self, batch: StepBatch, state: dict, figures: dict) -> dict:
         groups = batch.rewards.view(-1, self.group_size)
-        return {**figures,
-                "advantage_abs": advantages.abs().mean().item(),
-                "groups_without_signal": float((groups.std(dim=1) == 0).float().mean()),
-                "action_tokens": int(old.numel()),
-                "time/student_update": time.perf_counter() - clock}
+        return {"advantage_abs": state["advantages"].abs().mean().item(),
+                "groups_without_signal": float((groups.std(dim=1) == 0).float().mean())}
 
     def panels(self) -> list[Panel]:
         return [Panel("PPO-clip loss", ("loss",)),

@@ -20,35 +20,62 @@ Interpretations (the spec leaves these open):
   (the weights that sampled the rollouts), not from the sampler's stored log-probs: they are the same
   policy, and the forward pass keeps both sides on identical numerics.
 * The student and composer updates use the logits of the same forward passes (one teacher pass, one
-  student pass); their graphs share no parameter, so they are two independent optimiser steps.
+  student pass per micro-batch); their graphs share no parameter, so one backward fills both
+  optimisers' gradients and the two steps are independent.
+* Δ, KL_φ and the anchor are means over the whole step (rollouts, action tokens, latents), so each
+  micro-batch contributes its share and the accumulated update equals the one-pass update.
 """
 
 from __future__ import annotations
 
 import shutil
-import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from lopd import losses, models
-from lopd.algorithms.cold_start import retrieve_traces, teacher_pass
+from lopd import losses, pipeline
+from lopd.algorithms import register
+from lopd.algorithms.base import (Algorithm, LossTerms, MicroBatch, Panel, Scores, StepBatch, Totals,
+                                  Updater)
 from lopd.composer import Composer
-from lopd.experience import ExperienceBank
+from lopd.config import knob
+from lopd.experience import ExperienceBank, retrieve_traces
 from lopd.latent import ReferenceFormat
-from lopd.teacher import action_logits, scoring_batch
-from lopd.trainer import Algorithm, Panel, StepBatch, TrainContext, Updater
+from lopd.teacher import LatentContext
 
 
+@dataclass
+class LopdConfig:
+    """LOPD: the composer's privileged-margin objective and where its inputs come from."""
+
+    composer: str = knob("", "Cold-started composer folder (`lopd cold-start`); its φ is also the "
+                         "anchor φ0.")
+    bank: str = knob("", "Experience bank folder; the run trains on its own copy, the original "
+                     "is never changed.")
+    top_m: int = knob(20, "M: the teacher's most likely tokens kept per position; the rest is "
+                      "one tail bucket.", ge=1)
+    margin: float = knob(0.05, "m: the privileged margin the teacher must keep, Δ >= m.")
+    anchor_weight: float = knob(0.2, "λ_anchor: weight of mean((Z_φ - Z_φ0)^2).", ge=0.0)
+    dual_lr: float = knob(0.5, "η_β: step size of the dual variable β.", ge=0.0)
+    dual_init: float = knob(0.0, "β_init: starting value of the dual variable.", ge=0.0)
+    composer_learning_rate: float = knob(1e-5, "AdamW learning rate of φ (LoRA + compressor).",
+                                         gt=0.0)
+    composer_max_grad_norm: float = knob(1.0, "Gradient-norm clip of the composer update.", gt=0.0)
+    add_successes: bool = knob(True, "Add the step's successful rollouts to the bank.")
+
+
+@register
 class LOPD(Algorithm):
     name = "lopd"
+    config_class = LopdConfig
     group_size = 1
 
     BANK_DIR = "bank"
     COMPOSER_DIR = "composer"
     COLD_START_DIR = "cold_start_composer"
 
-    def __init__(self, ctx: TrainContext, checkpoint: Path | None):
+    def __init__(self, ctx, checkpoint: Path | None):
         super().__init__(ctx, checkpoint)
         cfg = ctx.cfg
         self.spec = cfg.lopd
@@ -76,13 +103,13 @@ class LOPD(Algorithm):
         self.bank = ExperienceBank.open(bank_dir, batch_size=cfg.bank.embed_batch_size,
                                         device=ctx.device)
         # The frozen base θ0: one copy serves the composer's encoder (adapter on) and the teacher.
-        base, _ = models.load_model(cfg.model.name_or_path, device=ctx.device, dtype=ctx.dtype,
-                                    trust_remote_code=cfg.model.trust_remote_code)
-        self.composer = Composer.load(cold_start, base.eval(), ctx.tokenizer)
+        base, _ = pipeline.load_model(cfg, device=ctx.device)
+        self.composer = Composer.load(cold_start, base, ctx.tokenizer)
         self.composer.freeze_anchor()
         if checkpoint is not None:
             self.composer.load_weights(checkpoint / self.COMPOSER_DIR)
         self.fmt = ReferenceFormat.for_tokenizer(ctx.tokenizer)
+        self.teacher = LatentContext(self.composer, self.fmt, anchor=True)
         self.n_ret = cfg.bank.n_ret
         self.composer_updater = Updater(self.composer.trainable_parameters(),
                                         self.spec.composer_learning_rate,
@@ -91,71 +118,50 @@ class LOPD(Algorithm):
 
     # -- one step -----------------------------------------------------------------------------
 
-    def step(self, batch: StepBatch) -> dict[str, float]:
-        spec, ctx = self.spec, self.ctx
-        rollouts = batch.rollouts
-        times = {}
-        clock = time.perf_counter()
+    def updaters(self) -> dict[str, Updater]:
+        return {"student": self.ctx.student_updater, "composer": self.composer_updater}
 
-        traces = retrieve_traces(self.bank, rollouts, self.n_ret,
-                                 leave_one_out=not ctx.cfg.bank.allow_self_retrieval)
-        times["time/retrieval"] = time.perf_counter() - clock
-        clock = time.perf_counter()
-
+    def before_step(self, batch: StepBatch) -> dict:
+        traces = retrieve_traces(self.bank, batch.rollouts, self.n_ret,
+                                 leave_one_out=not self.ctx.cfg.bank.allow_self_retrieval)
         self.composer.train()
-        instructions = [r.instruction for r in rollouts]
-        latents = self.composer.encode(instructions, traces)
-        with torch.no_grad():
-            anchor_latents = self.composer.encode(instructions, traces, anchor=True)
-        times["time/composer"] = time.perf_counter() - clock
-        clock = time.perf_counter()
+        return {"teacher_context": traces, "rewards": batch.rewards.to(self.device)}
 
-        scored_t = teacher_pass(self.composer, rollouts, self.fmt, latents=latents)
-        teacher_lp = torch.log_softmax(scored_t.logits.float(), dim=-1)
-        times["time/teacher"] = time.perf_counter() - clock
-        clock = time.perf_counter()
+    def loss(self, micro: MicroBatch, scores: Scores, state: dict, totals: Totals) -> LossTerms:
+        spec = self.spec
+        teacher_lp = torch.log_softmax(scores.teacher.logits.float(), dim=-1)
+        student_lp = torch.log_softmax(scores.student.logits.float(), dim=-1)
+        tokens = totals.action_tokens
+        share = len(micro.rollouts) / totals.rollouts
+        loss_student = losses.reverse_kl_top_m(student_lp, teacher_lp.detach(), spec.top_m).sum() / tokens
 
-        plain = scoring_batch([r.input_ids for r in rollouts], [r.action_mask for r in rollouts],
-                              ctx.tokenizer.pad_token_id)
-        scored_s = action_logits(ctx.student, plain.to(ctx.device))
-        if not torch.equal(scored_s.targets, scored_t.targets):
-            raise RuntimeError("teacher and student action tokens do not line up")
-        student_lp = torch.log_softmax(scored_s.logits.float(), dim=-1)
-        student_kl = losses.reverse_kl_top_m(student_lp, teacher_lp.detach(), spec.top_m)
-        loss_student = student_kl.mean()
-        student_step = ctx.student_updater.apply(loss_student)
-        times["time/student_update"] = time.perf_counter() - clock
-        clock = time.perf_counter()
+        targets = scores.teacher.targets.unsqueeze(-1)
+        gap, counts = losses.per_row_mean(
+            teacher_lp.gather(-1, targets).squeeze(-1)
+            - student_lp.detach().gather(-1, targets).squeeze(-1),
+            scores.teacher.rows, len(micro.rollouts))
+        weights = 2 * micro.take(state["rewards"]).to(gap.dtype) - 1
+        delta = (weights * gap * (counts > 0)).sum() / max(1, totals.rollouts_with_actions)
+        composer_kl = losses.reverse_kl_top_m(student_lp.detach(), teacher_lp, spec.top_m).sum() / tokens
+        anchor = losses.anchor_loss(scores.extras["latents"], scores.extras["anchor_latents"]) * share
+        loss_composer = (composer_kl + self.beta * (spec.margin * share - delta)
+                         + spec.anchor_weight * anchor)
+        return LossTerms({"student": loss_student, "composer": loss_composer},
+                         {"kl": loss_student.detach(), "kl_composer": composer_kl.detach(),
+                          "delta": delta.detach(), "anchor": anchor.detach(),
+                          "loss_composer": loss_composer.detach()})
 
-        rewards = batch.rewards.to(ctx.device)
-        targets = scored_t.targets.unsqueeze(-1)
-        delta = losses.privileged_margin(teacher_lp.gather(-1, targets).squeeze(-1),
-                                         student_lp.detach().gather(-1, targets).squeeze(-1),
-                                         scored_t.rows, rewards)
-        composer_kl = losses.reverse_kl_top_m(student_lp.detach(), teacher_lp, spec.top_m).mean()
-        anchor = losses.anchor_loss(latents, anchor_latents)
-        loss_composer = composer_kl + self.beta * (spec.margin - delta) + spec.anchor_weight * anchor
-        composer_step = self.composer_updater.apply(loss_composer)
-        times["time/composer_update"] = time.perf_counter() - clock
-        clock = time.perf_counter()
-
+    def after_update(self, batch: StepBatch, state: dict, figures: dict) -> dict:
+        spec = self.spec
         beta_used = self.beta
-        self.beta = losses.dual_update(self.beta, spec.margin, delta.item(), spec.dual_lr)
+        self.beta = losses.dual_update(self.beta, spec.margin, figures["delta"], spec.dual_lr)
         added = 0
         if spec.add_successes:
-            result = self.bank.add_rollouts([r for r in rollouts if r.success], ctx.train_tasks,
-                                            source=f"lopd-step-{batch.step}")
+            result = self.bank.add_rollouts([r for r in batch.rollouts if r.success],
+                                            self.ctx.train_tasks, source=f"lopd-step-{batch.step}")
             added = len(result.added)
-        times["time/bank_add"] = time.perf_counter() - clock
-        return {"kl": loss_student.item(), "kl_composer": composer_kl.item(),
-                "delta": delta.item(), "margin": spec.margin, "beta": beta_used,
-                "beta_next": self.beta, "anchor": anchor.item(),
-                "loss_composer": loss_composer.item(),
-                "student/grad_norm": student_step["grad_norm"],
-                "composer/grad_norm": composer_step["grad_norm"],
-                "composer/skipped_updates": self.composer_updater.skipped,
-                "action_tokens": int(scored_s.targets.numel()),
-                "bank/added": added, "bank/size": len(self.bank), **times}
+        return {"margin": spec.margin, "beta": beta_used, "beta_next": self.beta,
+                "bank/added": added, "bank/size": len(self.bank)}
 
     def panels(self) -> list[Panel]:
         return [Panel("KL(student ‖ teacher), top-M + tail", ("kl", "kl_composer")),

@@ -108,9 +108,10 @@ def run(cfg: Config, bank_tasks: int = 600, cold_start_steps: int = 60, lopd_ste
     print(f"\n6. composer cold start: {cold['steps']} steps, teacher NLL {cold['first_nll']:.3f} -> "
           f"{cold['final_nll']:.3f} -> {composer_dir}")
 
-    run_cfg = replace(cfg, train=replace(cfg.train, max_steps=lopd_steps,
-                                         eval_every=max(1, lopd_steps // 2), save_every=lopd_steps),
-                      lopd=replace(cfg.lopd, composer=str(composer_dir), bank=str(bank_dir)))
+    run_cfg = cfg.with_overrides([f"train.max_steps={lopd_steps}",
+                                  f"train.eval_every={max(1, lopd_steps // 2)}",
+                                  f"train.save_every={lopd_steps}",
+                                  f"lopd.composer={composer_dir}", f"lopd.bank={bank_dir}"])
     train_or_reuse(run_cfg, out / "lopd", "lopd")
     evals = trainer.read_jsonl(out / "lopd" / trainer.EVAL_FILE)
     final = evals[-1]
