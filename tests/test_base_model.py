@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from lopd import base, models
+from lopd import base_model as base
+from lopd import models
 from lopd.config import BaseConfig, load_config
 
 

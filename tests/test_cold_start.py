@@ -77,13 +77,14 @@ def test_cold_start_lowers_the_teacher_nll_and_leaves_the_base_alone(setting):
 def test_base_plus_composer_agent_acts_with_latents(setting):
     from lopd.composer import ComposerPolicy
     from lopd.models import LATENT_TOKEN
-    from lopd.rollout import SamplingParams
+    from lopd.rollout import SamplingParams, TransformersEngine
 
     model, tokenizer, bank, rollouts = setting
     composer = Composer(copy.deepcopy(model).eval(), tokenizer, SPEC)
     env = get_env("toolworld", seed=0, sizes={"eval": 4, "train": 40, "pretrain": 0})
     tasks = env.tasks("eval")
-    policy = ComposerPolicy(composer, bank, SamplingParams(temperature=0.0), n_ret=2)
+    policy = ComposerPolicy(TransformersEngine(composer.base, tokenizer), composer, bank,
+                            SamplingParams(temperature=0.0), n_ret=2)
     episodes = agent.run_episodes(env, tasks, policy, tokenizer, max_turns=3, max_new_tokens=48,
                                   batch_size=4)
     latent_id = tokenizer.convert_tokens_to_ids(LATENT_TOKEN)

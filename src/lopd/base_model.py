@@ -30,10 +30,9 @@ import torch
 from tqdm.auto import tqdm
 
 from lopd import models, runtime
-from lopd.agent import ModelPolicy, OraclePolicy, Rollout, rollout_episodes, summarize
+from lopd.agent import OraclePolicy, Rollout, rollout_episodes
 from lopd.config import Config
 from lopd.envs import get_env
-from lopd.rollout import SamplingParams, TransformersEngine
 from lopd.teacher import ScoringBatch, action_logits
 
 
@@ -81,14 +80,14 @@ def lr_at(step: int, cfg) -> float:
 
 
 def greedy_success(model, tokenizer, env, tasks, cfg: Config, device) -> dict:
-    """Greedy episodes of ``model`` on ``tasks``; the summary of :func:`lopd.agent.summarize`."""
+    """Greedy episodes of ``model`` on ``tasks``: the held-out evaluation's summary."""
+    from lopd import pipeline
+
     model.eval()
-    engine = TransformersEngine(model, tokenizer)
-    params = SamplingParams(temperature=0.0, max_new_tokens=cfg.rollout.max_completion_length)
-    rollouts = rollout_episodes(env, tasks, ModelPolicy(engine, tokenizer, params), tokenizer,
-                                cfg.rollout)
+    summary, _ = pipeline.evaluate(cfg, env, tasks, pipeline.model_policy(cfg, model, tokenizer, 0.0),
+                                   tokenizer, progress=False)
     model.train()
-    return summarize(rollouts)
+    return summary
 
 
 @dataclass

@@ -258,11 +258,9 @@ class ComposerPolicy(ModelPolicy):
     rollout keeps the plain conversation (no block), like any other policy's.
     """
 
-    def __init__(self, composer: Composer, bank, params, n_ret: int):
-        from lopd.rollout import TransformersEngine
-
-        super().__init__(TransformersEngine(composer.base, composer.tokenizer), composer.tokenizer,
-                         params)
+    def __init__(self, engine, composer: Composer, bank, params, n_ret: int):
+        """``engine``: a rollout engine over ``composer.base`` (:func:`lopd.pipeline.make_engine`)."""
+        super().__init__(engine, composer.tokenizer, params)
         self.composer, self.bank, self.n_ret = composer, bank, n_ret
         self.fmt = ReferenceFormat.for_tokenizer(composer.tokenizer)
         self.block = self.fmt.latent_block(n_ret * composer.spec.num_latents)
