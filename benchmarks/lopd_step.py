@@ -1,10 +1,12 @@
 """Where the time of one LOPD step goes, and the peak memory.
 
 Runs ``--steps`` LOPD steps of the real trainer (``train.rollouts_per_step`` rollouts each) on the
-embedded tiny base, then prints the mean seconds per phase — rollout, retrieval, composer (encode φ
-and φ0), teacher pass, student update (forward + backward + step), composer update (backward through
-the teacher into φ + step), bank add — over the steps after the first (warm-up), their share of the
-step, and the peak resident memory (and peak CUDA allocation on a GPU).
+embedded tiny base, then prints the mean seconds per phase of the shared step
+(:mod:`lopd.algorithms.base`) — rollout, before the step (retrieval), student forward, teacher pass
+(the composer encodes φ and φ0, the frozen teacher reads the latents), backward (student and
+composer in one pass), optimiser steps, after the update (dual variable, bank add) — over the steps
+after the first (warm-up), their share of the step, and the peak resident memory (and peak CUDA
+allocation on a GPU).
 
 Without ``--bank``/``--composer`` it builds its own inputs first: a bank of oracle successes on
 ``--bank-tasks`` training tasks and an untrained composer (the timing of a step does not depend on
@@ -23,30 +25,21 @@ from pathlib import Path
 
 import torch
 
-from lopd import agent, models
+from lopd import pipeline
 from lopd.algorithms import get_algorithm
 from lopd.composer import Composer
 from lopd.config import load_config
-from lopd.envs import get_env
-from lopd.experience import ExperienceBank, load_embedder, spec_from_config
 from lopd.tables import format_table, write_json
 from lopd.trainer import METRICS_FILE, Trainer
 
-PHASES = ("rollout", "retrieval", "composer", "teacher", "student_update", "composer_update",
-          "bank_add")
+PHASES = ("rollout", "before_step", "student_forward", "teacher", "backward", "optimizer",
+          "after_update")
 
 
 def build_inputs(cfg, folder: Path, n_tasks: int) -> tuple[Path, Path]:
-    model, tokenizer = models.load_model(cfg.model.name_or_path)
-    env = get_env(cfg.env.name, **cfg.env.kwargs())
-    tasks = env.tasks("train")[:n_tasks]
-    rollouts = agent.run_episodes(env, tasks, agent.OraclePolicy(), tokenizer, cfg.rollout.max_turns,
-                                  cfg.rollout.max_completion_length, len(tasks))
-    embedder = load_embedder(spec_from_config(cfg.bank, cfg.model.name_or_path))
-    with ExperienceBank.create(folder / "bank", embedder, cfg.bank.reward_threshold,
-                               cfg.bank.max_observation_chars) as bank:
-        bank.add_rollouts(rollouts, {t.task_id: t for t in tasks}, source="oracle")
-    Composer(model.eval(), tokenizer, cfg.composer).save(folder / "composer")
+    pipeline.build_bank(cfg, folder / "bank", agent="oracle", limit=n_tasks, progress=False)
+    model, tokenizer = pipeline.load_model(cfg)
+    Composer(model, tokenizer, cfg.composer).save(folder / "composer")
     return folder / "bank", folder / "composer"
 
 

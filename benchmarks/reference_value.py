@@ -24,15 +24,12 @@ import random
 
 import torch
 
-from lopd import agent, models
+from lopd import agent, pipeline
 from lopd.algorithms import cold_start as cs
 from lopd.composer import Composer
 from lopd.config import load_config
-from lopd.envs import get_env
-from lopd.experience import ExperienceBank
 from lopd.latent import ReferenceFormat
 from lopd.tables import format_table, write_json
-from lopd.rollout import SamplingParams, TransformersEngine
 
 
 def main() -> None:
@@ -55,22 +52,18 @@ def main() -> None:
 
     cfg = load_config(args.config, args.overrides)
     torch.set_num_threads(cfg.run.num_threads)
-    env = get_env(cfg.env.name, **cfg.env.kwargs())
+    env = pipeline.get_env(cfg)
     tasks = env.tasks("eval")[:args.tasks]
     template = {t.task_id: t.meta.get("template") for t in tasks}
-    model, tokenizer = models.load_model(args.model)
-    model.eval()
-    engine = TransformersEngine(model, tokenizer)
-    sampling = SamplingParams.from_config(cfg.rollout, cfg.rollout.temperature, args.seed)
+    model, tokenizer = pipeline.load_model(cfg, args.model)
     policy = (agent.OraclePolicy() if args.acting == "oracle"
-              else agent.ModelPolicy(engine, tokenizer, sampling))
-    held = [r for r in agent.rollout_episodes(env, tasks, policy, tokenizer, cfg.rollout)
-            if r.success]
+              else pipeline.model_policy(cfg, model, tokenizer, cfg.rollout.temperature, args.seed))
+    held = [r for r in pipeline.run_episodes(cfg, env, tasks, policy, tokenizer) if r.success]
     code = {t.task_id: t.meta["code"] for t in tasks if "code" in t.meta}
     coded = set(code)
     n_ret = cfg.bank.n_ret
     rng = random.Random(args.seed)
-    with ExperienceBank.open(args.bank) as bank:
+    with pipeline.open_bank(cfg, args.bank) as bank:
         composer = Composer.load(args.composer, model, tokenizer)
         fmt = ReferenceFormat.for_tokenizer(tokenizer)
         hits = bank.search([r.instruction for r in held], n_ret,

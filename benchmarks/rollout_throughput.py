@@ -16,10 +16,11 @@ from functools import partial
 
 import torch
 
-from lopd import models, runtime
+from lopd import models, pipeline, runtime
+from lopd.config import RolloutConfig
 from lopd.corpus import synthetic_transcripts
+from lopd.rollout import RolloutEngine, SamplingParams
 from lopd.tables import format_table, write_json
-from lopd.rollout import SamplingParams, TransformersEngine
 
 
 def make_prompts(tokenizer, batch_size: int, prompt_tokens: int, seed: int) -> list[list[int]]:
@@ -36,7 +37,7 @@ def make_prompts(tokenizer, batch_size: int, prompt_tokens: int, seed: int) -> l
     return prompts
 
 
-def time_engine(engine: TransformersEngine, prompts, params: SamplingParams) -> tuple[int, float]:
+def time_engine(engine: RolloutEngine, prompts, params: SamplingParams) -> tuple[int, float]:
     start = time.perf_counter()
     generations = engine.generate(prompts, params)  # returns host lists: the device is done
     return sum(len(g.token_ids) for g in generations), time.perf_counter() - start
@@ -86,7 +87,7 @@ def main() -> None:
     rows, results = [], []
     for preset in args.presets:
         model = models.build_model(tokenizer, preset, seed=args.seed).eval().to(device)
-        engine = TransformersEngine(model, tokenizer)
+        engine = pipeline.make_engine(RolloutConfig(), model, tokenizer)
         stop_ids = sorted(engine.stop_token_ids)
         params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                                 seed=args.seed)

@@ -31,6 +31,16 @@ def test_markdown_table_states_mean_and_spread():
     assert "over 3 seeds" in text and "not defined" in text
 
 
+def test_unknown_algorithms_seeds_and_jobs_are_refused_before_any_run(tmp_path):
+    with pytest.raises(ValueError, match=r"nope: choose from \['base', 'grpo', 'lopd'\]"):
+        cmp.compare("tiny", [], ["base", "nope"], 1, tmp_path / "a")
+    with pytest.raises(ValueError, match="seeds must be >= 1"):
+        cmp.compare("tiny", [], ["base"], 0, tmp_path / "b")
+    with pytest.raises(ValueError, match="unknown key"):
+        cmp.compare("tiny", ["train.nope=1"], ["base"], 1, tmp_path / "c")
+    assert not any(tmp_path.iterdir())
+
+
 def test_a_tiny_comparison_runs_and_reuses_finished_runs(tmp_path, monkeypatch):
     from conftest import make_lopd_inputs
 
@@ -58,6 +68,9 @@ def test_a_tiny_comparison_runs_and_reuses_finished_runs(tmp_path, monkeypatch):
         for key in ("mean_reward", "success_rate"):
             assert parallel["per_seed"][algo][key] == pytest.approx(report["per_seed"][algo][key])
     # A second compare reuses every finished run instead of training again.
-    monkeypatch.setattr(cmp, "train", lambda *a, **k: pytest.fail("should reuse the finished run"))
+    from lopd import pipeline
+
+    monkeypatch.setattr(pipeline, "train",
+                        lambda *a, **k: pytest.fail("should reuse the finished run"))
     again = cmp.compare("tiny", sets, ["base", "grpo", "lopd"], 2, out, {"grpo": 3e-4})
     assert again["per_seed"] == json.loads((out / "results.json").read_text())["per_seed"]

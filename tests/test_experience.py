@@ -245,7 +245,7 @@ def test_cli_build_stats_query_add_eval(tmp_path, capsys):
     stats = json.loads((tmp_path / "stats.json").read_text())
     assert stats["entries"] == 12 and stats["per_domain"] == {
         d: v["added"] for d, v in sorted(built["per_domain"].items())}
-    assert stats["reward_threshold"] == 1.0 and stats["embedder"].startswith("policy (tiny")
+    assert stats["reward_threshold"] == 1.0 and stats["embedder"].startswith("policy (toolworld-1m")
 
     assert main(["bank", "query", str(out), "Cancel order O1 of customer C2.", "-k", "2",
                  "--json", str(tmp_path / "query.json")]) == 0

@@ -2,14 +2,71 @@
 
 The CLI, the quickstart, ``compare`` / ``sweep`` and the benchmarks call these functions; none of
 them builds an engine, a policy or an evaluation of its own. Each stage takes a :class:`Config`
-and returns plain figures (dicts) that the caller prints or writes.
+and returns plain figures (dicts) that the caller prints or writes. The cold-started composer and
+bank shipped in the package are named here too (:data:`EMBEDDED_COMPOSER`, :data:`EMBEDDED_BANK`).
 """
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from lopd.config import Config, ConfigError
+
+# ----------------------------------------------------------------------------------------------
+# Embedded assets
+
+ASSETS = Path(__file__).parent / "assets"
+EMBEDDED_COMPOSER = ASSETS / "toolworld-1m-composer"
+"""The cold-started composer shipped in the package (a folder written by ``Composer.save``)."""
+EMBEDDED_BANK = ASSETS / "toolworld-1m-bank"
+"""The experience bank it was cold-started on (never written to: runs work on copies)."""
+EMBEDDED_FOR = ("toolworld-1m", "toolworld")
+"""(model, environment) the embedded composer and bank were built for."""
+PROVENANCE_FILE = "provenance.json"
+PROVENANCE_KEYS = ("bank_rollouts", "cold_start_steps", "commands")
+
+
+def embedded_assets(cfg: Config) -> tuple[Path, Path]:
+    """(composer folder, bank folder) shipped in the package, checked to exist and to fit ``cfg``'s
+    model and environment."""
+    from lopd.composer import Composer
+    from lopd.experience import DB_NAME
+
+    model, env = EMBEDDED_FOR
+    if cfg.model.name_or_path != model or cfg.env.name != env:
+        raise ValueError(f"the embedded composer and bank were built for {model} on {env}, not "
+                         f"{cfg.model.name_or_path} on {cfg.env.name}; build both for it with "
+                         "--rebuild")
+    missing = [str(folder) for folder, marker in ((EMBEDDED_COMPOSER, Composer.CONFIG_FILE),
+                                                  (EMBEDDED_BANK, DB_NAME))
+               if not (folder / marker).is_file()]
+    if missing:
+        raise FileNotFoundError(f"the embedded cold-started composer and bank are not in this "
+                                f"install (missing {', '.join(missing)}); build both here with "
+                                "`lopd quickstart --rebuild`")
+    return EMBEDDED_COMPOSER, EMBEDDED_BANK
+
+
+def read_provenance(*folders: str | Path) -> dict:
+    """``bank_rollouts``, ``cold_start_steps`` and ``commands`` as recorded in the folders'
+    ``provenance.json`` (the first folder that records a key wins); ``"unknown"`` where none
+    does."""
+    found: dict = {}
+    for folder in folders:
+        path = Path(folder) / PROVENANCE_FILE
+        if path.is_file():
+            try:
+                record = json.loads(path.read_text())
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                for key, value in record.items():
+                    found.setdefault(key, value)
+    return {**found, **{key: found.get(key, "unknown") for key in PROVENANCE_KEYS}}
+
 
 # ----------------------------------------------------------------------------------------------
 # Engines and policies
@@ -84,6 +141,83 @@ def make_policy(cfg: Config, agent: str = "model", model_path: str | None = None
     return model_policy(cfg, model, tokenizer, temperature), tokenizer
 
 
+def composer_policy(cfg: Config, model_path: str | None, composer_dir: str | Path,
+                    bank_dir: str | Path, device=None):
+    """(policy, tokenizer, bank) of the "Base + Composer" agent: the base acting with latents of
+    the ``bank.n_ret`` retrieved experiences in its prompt. The caller closes the bank."""
+    from lopd.composer import Composer, ComposerPolicy
+
+    device = _device(cfg, device)
+    model, tokenizer = load_model(cfg, model_path, device)
+    composer = Composer.load(composer_dir, model, tokenizer).eval()
+    engine = make_engine(cfg.rollout, composer.base, tokenizer)
+    bank = open_bank(cfg, bank_dir, device)
+    return ComposerPolicy(engine, composer, bank, sampling(cfg), cfg.bank.n_ret), tokenizer, bank
+
+
+def _device(cfg: Config, device=None):
+    from lopd import runtime
+
+    return device if device is not None else runtime.resolve_device(cfg.run.device)
+
+
+# ----------------------------------------------------------------------------------------------
+# Models
+
+
+def build_and_save(cfg: Config, corpus: list[str], out: str | Path) -> dict:
+    """Train a tokenizer on ``corpus``, build the model of ``cfg.model.architecture`` (seeded by
+    ``run.seed``) and save both in ``out``; the figures of the new model."""
+    from lopd import models, runtime
+
+    runtime.setup(cfg.run)
+    start = time.perf_counter()
+    tokenizer = models.train_tokenizer(corpus, vocab_size=cfg.model.vocab_size)
+    model = models.build_model(tokenizer, preset=cfg.model.architecture, seed=cfg.run.seed,
+                               max_position_embeddings=cfg.model.max_position_embeddings)
+    models.save_model(model, tokenizer, Path(out))
+    return {
+        "path": str(out),
+        "architecture": cfg.model.architecture,
+        "parameters": models.count_parameters(model),
+        "vocab_size": len(tokenizer),
+        "corpus_texts": len(corpus),
+        "seed": cfg.run.seed,
+        "seconds": round(time.perf_counter() - start, 2),
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Episode files
+
+
+def write_episodes(path: str | Path, rollouts) -> None:
+    """Every rollout as one JSON line (what ``--episodes`` writes and ``bank add`` reads)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for r in rollouts:
+            f.write(json.dumps(r.to_dict()) + "\n")
+
+
+def read_episodes(path: str | Path) -> list:
+    """Rollouts from a JSONL file written by :func:`write_episodes`; a bad line is named."""
+    from lopd.agent import Rollout
+
+    path = Path(path)
+    rollouts = []
+    with path.open() as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rollouts.append(Rollout.from_dict(json.loads(line)))
+            except (ValueError, TypeError, KeyError) as exc:
+                raise ValueError(f"{path}:{number}: not a rollout record "
+                                 f"({type(exc).__name__}: {exc})") from None
+    return rollouts
+
+
 # ----------------------------------------------------------------------------------------------
 # Held-out evaluation
 
@@ -130,6 +264,234 @@ def get_env(cfg: Config):
     from lopd.envs import get_env as build
 
     return build(cfg.env.name, **cfg.env.kwargs())
+
+
+CODE_ENVS = ("codeworld", "humaneval")
+"""Environments whose answers are programs: their evaluations also report pass@k."""
+
+
+def pass_at_k(rollouts, samples: int) -> dict:
+    """pass@k (unbiased estimator, all tests passing) over tasks sampled ``samples`` times each."""
+    from lopd.envs.codegen import pass_at_k as estimate
+
+    passed: dict[str, list[bool]] = {}
+    for r in rollouts:
+        passed.setdefault(r.task_id, []).append(r.success)
+    ks = [k for k in (1, 5, 10, 100) if k <= samples]
+    return {"samples_per_task": samples, "pass_at_k": {
+        f"pass@{k}": sum(estimate(len(v), sum(v), k) for v in passed.values()) / len(passed)
+        for k in ks}}
+
+
+def evaluate_agent(cfg: Config, agent: str = "model", model_path: str | None = None,
+                   split: str = "eval", limit: int = 0, samples: int = 1,
+                   composer: str | None = None, bank: str | None = None,
+                   progress: bool = True) -> tuple[dict, list]:
+    """(summary, rollouts) of an agent on the first ``limit`` tasks (0 = all) of ``split``, each
+    attempted ``samples`` times: ``agent`` (model, oracle, random), or the Base + Composer agent
+    when ``composer`` and ``bank`` are given. Code environments add pass@k."""
+    from lopd import runtime
+
+    device = runtime.setup(cfg.run)
+    model_path = model_path or cfg.model.name_or_path
+    env = get_env(cfg)
+    tasks = env.tasks(split)[: limit or None]
+    opened = None
+    if composer:
+        policy, tokenizer, opened = composer_policy(cfg, model_path, composer, bank, device)
+    else:
+        policy, tokenizer = make_policy(cfg, agent, model_path, device)
+    start = time.perf_counter()
+    try:
+        summary, rollouts = evaluate(cfg, env, [t for t in tasks for _ in range(samples)], policy,
+                                     tokenizer, progress)
+    finally:
+        if opened is not None:
+            opened.close()
+    if cfg.env.name in CODE_ENVS:
+        summary.update(pass_at_k(rollouts, samples))
+    summary.update({"agent": "base+composer" if composer else agent, "composer": composer,
+                    "bank": bank, "model": model_path if agent == "model" else None,
+                    "env": cfg.env.name, "split": split, "tasks": len(tasks),
+                    "seconds": round(time.perf_counter() - start, 1)})
+    return summary, rollouts
+
+
+# ----------------------------------------------------------------------------------------------
+# The experience bank
+
+
+def open_bank(cfg: Config, folder: str | Path, device=None):
+    """The bank in ``folder`` with the config's embedding batch size."""
+    from lopd.experience import ExperienceBank
+
+    return ExperienceBank.open(folder, batch_size=cfg.bank.embed_batch_size,
+                               device=_device(cfg, device))
+
+
+def build_bank(cfg: Config, out: str | Path, model_path: str | None = None, agent: str = "model",
+               limit: int = 0, episodes: str | Path | None = None,
+               seeds: Sequence[int] | None = None, progress: bool = True) -> dict:
+    """Roll ``agent`` (``model`` at ``rollout.temperature``, or ``oracle``) out on the training
+    tasks (the first ``limit``; 0 = all), once per sampling seed in ``seeds`` (default
+    ``run.seed``), and store the successes in the bank at ``out`` (created with the config's bank
+    section, or extended). ``episodes`` also writes every rollout as JSONL. Returns the figures,
+    with per-domain counts."""
+    import sys
+
+    from lopd import runtime
+    from lopd.experience import ExperienceBank, spec_from_config
+
+    if agent not in ("model", "oracle"):
+        raise ValueError(f"agent {agent!r}: a bank is filled by the model or the oracle")
+    if limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")
+    seeds = [cfg.run.seed] if seeds is None else list(seeds)
+    device = runtime.setup(cfg.run)
+    model_path = model_path or cfg.model.name_or_path
+    env = get_env(cfg)
+    # Validation tasks carved out of the training split (train.eval_split) never enter the bank.
+    tasks = held_out_tasks(cfg, env)[0][: limit or None]
+    # The bank is opened (or created) first, so a wrong folder fails before minutes of rollouts.
+    spec = spec_from_config(cfg.bank, model_path)
+    bank = ExperienceBank.open_or_create(
+        out, spec, cfg.bank.reward_threshold, cfg.bank.max_observation_chars,
+        batch_size=cfg.bank.embed_batch_size, device=device)
+    if (bank.embedder.spec, bank.reward_threshold, bank.max_observation_chars) != (
+            spec, cfg.bank.reward_threshold, cfg.bank.max_observation_chars):
+        # Said now, not with the figures: the user may want to stop before the rollouts.
+        print(f"note: {out} keeps the embedder ({bank.embedder.spec.describe()}), reward "
+              f"threshold ({bank.reward_threshold:g}) and observation cap "
+              f"({bank.max_observation_chars}) it was created with", file=sys.stderr)
+    with bank:
+        before = len(bank)
+        if agent == "model":
+            model, tokenizer = load_model(cfg, model_path, device)
+            engine = make_engine(cfg.rollout, model, tokenizer)
+            policies = [model_policy(cfg, model, tokenizer, cfg.rollout.temperature, seed, engine)
+                        for seed in seeds]
+        else:
+            policy, tokenizer = make_policy(cfg, "oracle", model_path, device)
+            policies = [policy] * len(seeds)
+        source = "oracle" if agent == "oracle" else f"model:{model_path}"
+        start = time.perf_counter()
+        rollouts = [r for policy in policies
+                    for r in run_episodes(cfg, env, tasks, policy, tokenizer, progress)]
+        rollout_seconds = time.perf_counter() - start
+        if episodes:
+            write_episodes(episodes, rollouts)
+        start = time.perf_counter()
+        result = bank.add_rollouts(rollouts, {t.task_id: t for t in tasks}, source)
+        add_seconds = time.perf_counter() - start
+        per_domain: dict[str, dict] = {}
+        for rollout in rollouts:
+            d = per_domain.setdefault(rollout.domain, {"rollouts": 0, "successes": 0, "added": 0})
+            d["rollouts"] += 1
+            d["successes"] += rollout.success
+        for entry in result.added:
+            per_domain[entry.domain]["added"] += 1
+        return {"bank": str(out), "source": source, "split": "train", "tasks": len(tasks),
+                "seeds": seeds, "rollouts": len(rollouts),
+                "successes": sum(r.success for r in rollouts), **result.counts(),
+                "entries_before": before, "entries": len(bank),
+                "rollout_seconds": round(rollout_seconds, 1), "embed_seconds": round(add_seconds, 1),
+                "per_domain": dict(sorted(per_domain.items())),
+                "embedder": bank.embedder.spec.describe(), "reward_threshold": bank.reward_threshold}
+
+
+def add_to_bank(cfg: Config, bank_dir: str | Path, rollouts_path: str | Path,
+                source: str | None = None) -> dict:
+    """Store the rollouts of a JSONL file that pass the bank's rules; an eval-split rollout stops
+    the whole add (nothing is written)."""
+    from lopd import runtime
+
+    device = runtime.setup(cfg.run)
+    path = Path(rollouts_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no rollouts file {path}")
+    rollouts = read_episodes(path)
+    env = get_env(cfg)
+    # Eval tasks are looked up too, so that the bank itself refuses them by name and split.
+    tasks = {t.task_id: t for split in ("eval", "train") for t in env.tasks(split)}
+    with open_bank(cfg, bank_dir, device) as bank:
+        result = bank.add_rollouts(rollouts, tasks, source=source or str(path))
+        return {"bank": str(bank_dir), "rollouts": len(rollouts), **result.counts(),
+                "entries": len(bank)}
+
+
+# ----------------------------------------------------------------------------------------------
+# Cold start
+
+
+def cold_start(cfg: Config, bank_dir: str | Path, out: str | Path, model_path: str | None = None,
+               progress: bool = True) -> dict:
+    """Fit a new composer on the bank's stored successes (``cold_start`` section) and save it in
+    ``out`` with its history. When ``cold_start.eval_tasks`` > 0, also measure what the latents
+    tell the frozen teacher: its NLL per action token on the base's held-out successes (sampled
+    at ``rollout.temperature``) under each kind of reference (``nll_per_action_token``), and the
+    same on coded and plain requests apart (``by_request_kind``)."""
+    from lopd import runtime
+    from lopd.algorithms import cold_start as cs
+    from lopd.composer import Composer
+
+    device = runtime.setup(cfg.run)
+    model_path = model_path or cfg.model.name_or_path
+    out = Path(out)
+    n_ret = cfg.bank.n_ret
+    model, tokenizer = load_model(cfg, model_path, device)
+    with open_bank(cfg, bank_dir, device) as bank:
+        successes = bank.stored_rollouts()
+        if len(successes) <= n_ret:
+            raise ValueError(f"{bank_dir} holds {len(successes)} stored successes; the cold start "
+                             f"needs more than bank.n_ret={n_ret} successes: fill it with "
+                             "`lopd bank build` (more training tasks, or a stronger base)")
+        # Held-out successes for the measurement: the base acts on eval tasks; they never enter
+        # the bank, they only query it.
+        env = get_env(cfg)
+        eval_tasks = env.tasks("eval")[: cfg.cold_start.eval_tasks]
+        held_out = []
+        if eval_tasks:
+            # Sampled like the bank's own rollouts (rollout.temperature), not greedy: greedy
+            # successes are the base's most confident paths and leave a reference nothing to add.
+            policy = model_policy(cfg, model, tokenizer, cfg.rollout.temperature)
+            attempts = [t for t in eval_tasks for _ in range(cfg.cold_start.eval_samples)]
+            held_out = [r for r in run_episodes(cfg, env, attempts, policy, tokenizer, progress)
+                        if r.success]
+        coded = {t.task_id for t in eval_tasks if "code" in t.meta}
+
+        composer = Composer(model, tokenizer, cfg.composer)
+        before = (cs.latent_information(composer, bank, held_out, n_ret, seed=cfg.run.seed)
+                  if held_out else {})
+        start = time.perf_counter()
+        history = cs.cold_start(composer, bank, successes, cfg.cold_start, n_ret,
+                                seed=cfg.run.seed, progress=progress,
+                                micro_batch_size=cfg.train.per_device_train_batch_size)
+        seconds = time.perf_counter() - start
+        composer.save(out)
+        table, groups = {}, {}
+        if held_out:
+            after = cs.latent_information(composer, bank, held_out, n_ret, seed=cfg.run.seed)
+            table = {"no reference": after["no reference"],
+                     "retrieved latents, cold-started composer": after["retrieved latents"],
+                     "random experiences' latents, cold-started": after["random experiences' latents"],
+                     "retrieved traces as text": after["retrieved traces as text"],
+                     "empty reference block (framing only)": after["empty reference block"],
+                     "retrieved latents, untrained composer": before["retrieved latents"]}
+            if coded:
+                # Coded requests (toolworld) are where experience says what the instruction does
+                # not: the same table on each part.
+                for name, part in (("coded", [r for r in held_out if r.task_id in coded]),
+                                   ("plain", [r for r in held_out if r.task_id not in coded])):
+                    if part:
+                        groups[name] = {"successes": len(part), **cs.latent_information(
+                            composer, bank, part, n_ret, seed=cfg.run.seed)}
+    figures = {"composer": str(out), "bank": str(bank_dir), "successes": len(successes),
+               "steps": len(history), "seconds": round(seconds, 1),
+               "first_nll": history[0]["nll"], "final_nll": history[-1]["nll"], "n_ret": n_ret,
+               "held_out_successes": len(held_out), "nll_per_action_token": table,
+               "by_request_kind": groups}
+    cs.save_history(history, out, {"config": cfg.to_dict(), "figures": figures})
+    return figures
 
 
 # ----------------------------------------------------------------------------------------------

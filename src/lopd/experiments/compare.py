@@ -19,47 +19,33 @@ import json
 import statistics
 from pathlib import Path
 
+from lopd import pipeline
 from lopd.config import Config, load_config
-from lopd.trainer import EVAL_FILE, checkpoints, read_jsonl, train, write_config
+from lopd.experiments.runs import check_reusable, finished, read_evals, train_or_reuse
+from lopd.trainer import checkpoints, write_config
 
 BASE = "base"
+"""The untrained model's row of a comparison (no training)."""
+
+
+def check_algos(algos: list[str], allowed: list[str] | None = None) -> None:
+    """Refuse an empty list or a name that is neither ``base`` nor a registered method."""
+    from lopd.algorithms import algorithm_names
+
+    allowed = sorted({BASE, *algorithm_names()}) if allowed is None else sorted(allowed)
+    unknown = [a for a in algos if a not in allowed]
+    if not algos or unknown:
+        raise ValueError(f"algorithms {','.join(algos) or '(none)'}: choose from {allowed}")
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.pstdev(values) if len(values) > 1 else 0.0
 
 
-def _evals(run_dir: Path) -> list[dict]:
-    return read_jsonl(run_dir / EVAL_FILE)
-
-
-def _finished(run_dir: Path, max_steps: int) -> bool:
-    return any(r["step"] == max_steps for r in _evals(run_dir))
-
-
-def _check_reusable(cfg: Config, run_dir: Path) -> None:
-    """A run folder made with a different config is never reused or resumed: that would mix runs."""
-    import yaml
-
-    from lopd.trainer import CONFIG_FILE
-
-    saved = run_dir / CONFIG_FILE
-    if saved.exists() and yaml.safe_load(saved.read_text()) != yaml.safe_load(
-            yaml.safe_dump(cfg.to_dict(), sort_keys=False)):
-        raise ValueError(f"{run_dir} holds a run with a different config than this comparison "
-                         "asks for; move it away or use another --out")
-
-
-def train_or_reuse(cfg: Config, run_dir: Path, algo: str) -> None:
-    """Train ``run_dir`` to the end, resuming it if it has a checkpoint; a finished run is reused."""
-    _check_reusable(cfg, run_dir)
-    if not _finished(run_dir, cfg.train.max_steps):
-        train(cfg, run_dir, algo, resume=bool(checkpoints(run_dir)))
-
-
 def _train_in_parallel(jobs: list[tuple[Config, Path, str]], workers: int) -> None:
     """Run the unfinished ``(config, run_dir, algo)`` jobs as ``lopd train`` processes, ``workers``
     at a time (each with the config's thread count); a failed run stops the comparison."""
+    import shutil
     import subprocess
     import sys
     import tempfile
@@ -67,8 +53,8 @@ def _train_in_parallel(jobs: list[tuple[Config, Path, str]], workers: int) -> No
 
     pending = []
     for cfg, run_dir, algo in jobs:
-        _check_reusable(cfg, run_dir)
-        if not _finished(run_dir, cfg.train.max_steps):
+        check_reusable(cfg, run_dir)
+        if not finished(run_dir, cfg.train.max_steps):
             pending.append((cfg, run_dir, algo))
     running: list[tuple[subprocess.Popen, Path, object]] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -78,7 +64,8 @@ def _train_in_parallel(jobs: list[tuple[Config, Path, str]], workers: int) -> No
                 run_dir.parent.mkdir(parents=True, exist_ok=True)
                 if checkpoints(run_dir):
                     args = ["--resume", str(run_dir)]
-                else:
+                else:  # stopped before its first checkpoint: nothing to resume
+                    shutil.rmtree(run_dir, ignore_errors=True)
                     config = Path(tmp) / f"{algo}-{run_dir.name}.yaml"
                     write_config(cfg, config)
                     args = ["--config", str(config), "--out", str(run_dir), "--algo", algo]
@@ -110,23 +97,17 @@ def run_config(config: str | Path, overrides: list[str], algo: str, seed: int,
 
 
 def evaluate_base(cfg: Config, out: Path) -> dict:
-    """Greedy held-out evaluation of the untrained model (cached in ``out/base/eval.json``)."""
-    from lopd import agent, models, runtime
-    from lopd.envs import get_env
-    from lopd.rollout import SamplingParams, TransformersEngine
+    """Held-out evaluation of the untrained model (cached in ``out/base/eval.json``)."""
+    from lopd import runtime
 
     path = out / BASE / "eval.json"
     if path.exists():
         return json.loads(path.read_text())
     device = runtime.setup(cfg.run)
-    model, tokenizer = models.load_model(cfg.model.name_or_path, device=device,
-                                         dtype=runtime.resolve_dtype(cfg.run.dtype, device))
-    env = get_env(cfg.env.name, **cfg.env.kwargs())
-    tasks = env.tasks("eval")[: cfg.train.eval_tasks or None]
-    params = SamplingParams.from_config(cfg.rollout, cfg.rollout.eval_temperature)
-    policy = agent.ModelPolicy(TransformersEngine(model.eval(), tokenizer), tokenizer, params)
-    rollouts = agent.rollout_episodes(env, tasks, policy, tokenizer, cfg.rollout, progress=True)
-    summary = agent.summarize(rollouts)
+    env = pipeline.get_env(cfg)
+    policy, tokenizer = pipeline.make_policy(cfg, "model", device=device)
+    summary, _ = pipeline.evaluate(cfg, env, pipeline.held_out_tasks(cfg, env)[1], policy,
+                                   tokenizer)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary, indent=1))
     return summary
@@ -135,6 +116,12 @@ def evaluate_base(cfg: Config, out: Path) -> dict:
 def compare(config: str | Path, overrides: list[str], algos: list[str], seeds: int, out: Path,
             learning_rates: dict[str, float] | None = None, jobs: int = 1) -> dict:
     """See the module docstring; ``jobs`` > 1 trains that many runs at once in subprocesses."""
+    check_algos(algos)
+    if seeds < 1:
+        raise ValueError(f"seeds must be >= 1, got {seeds}")
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
+    load_config(config, overrides)  # a bad key fails before any run starts
     learning_rates = learning_rates or {}
     out.mkdir(parents=True, exist_ok=True)
     if jobs > 1:
@@ -155,7 +142,7 @@ def compare(config: str | Path, overrides: list[str], algos: list[str], seeds: i
             cfg = run_config(config, overrides, algo, seed, learning_rates)
             run_dir = out / algo / f"seed{seed}"
             train_or_reuse(cfg, run_dir, algo)
-            per_seed.append(_evals(run_dir))
+            per_seed.append(read_evals(run_dir))
         curves[algo] = per_seed
         finals = [evals[-1] for evals in per_seed]
         results[algo] = {"mean_reward": [f["mean_reward"] for f in finals],
@@ -235,29 +222,3 @@ def plot(curves: dict[str, list[list[dict]]], results: dict, path: Path) -> None
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def sweep(config: str | Path, overrides: list[str], algo: str, learning_rates: list[float],
-          steps: int, validation_tasks: int, out: Path) -> dict:
-    """The fair-tuning sweep: one run per learning rate, evaluated on a validation split drawn from
-    the *training* tasks (never the eval split); the best final validation mean reward wins.
-
-    Every algorithm of a comparison should get the same grid, steps and validation tasks.
-    """
-    out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for rate in learning_rates:
-        sets = [*overrides, f"train.algorithm={algo}", f"train.learning_rate={rate}",
-                f"train.max_steps={steps}", f"train.eval_every={steps}",
-                "train.eval_split=validation", f"train.eval_tasks={validation_tasks}"]
-        cfg = load_config(config, sets)
-        run_dir = out / f"{algo}-lr{rate:g}"
-        train_or_reuse(cfg, run_dir, algo)
-        final = _evals(run_dir)[-1]
-        rows.append({"learning_rate": rate, "validation_mean_reward": final["mean_reward"],
-                     "validation_success_rate": final["success_rate"]})
-    best = max(rows, key=lambda r: r["validation_mean_reward"])
-    report = {"algo": algo, "steps": steps, "validation_tasks": validation_tasks, "runs": rows,
-              "best_learning_rate": best["learning_rate"]}
-    (out / f"sweep-{algo}.json").write_text(json.dumps(report, indent=1))
-    return report

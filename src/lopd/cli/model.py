@@ -1,0 +1,68 @@
+"""`lopd model new|info` and `lopd base`: build and inspect models."""
+
+from __future__ import annotations
+
+from lopd.cli.common import JSON, add_command, add_env_arg, config_for_env, load
+from lopd.tables import key_value_table, write_json
+
+
+def cmd_model_new(args) -> int:
+    from lopd import pipeline
+    from lopd.corpus import read_corpus, synthetic_transcripts
+
+    cfg = load(args)
+    corpus = read_corpus(args.corpus) if args.corpus else synthetic_transcripts(seed=cfg.run.seed)
+    figures = pipeline.build_and_save(cfg, corpus, args.out)
+    print(key_value_table(figures, title=f"built {figures['path']}"))
+    write_json(args.json_path, figures)
+    return 0
+
+
+def cmd_model_info(args) -> int:
+    from lopd import models
+
+    info = models.model_info(args.path)
+    print(key_value_table(info, title=f"model {info['path']}"))
+    write_json(args.json_path, info)
+    return 0
+
+
+def cmd_base(args) -> int:
+    from lopd.base_model import build_base
+
+    cfg = config_for_env(args)
+    result = build_base(cfg, args.out, resume=args.resume)
+    print(key_value_table(result, title=f"base model -> {args.out}"))
+    write_json(args.json_path, result)
+    return 0
+
+
+def register(sub) -> None:
+    p = add_command(sub, "base", cmd_base, "build the vanilla base model (tokenizer, Qwen3, SFT)",
+                    "Train a tokenizer on environment transcripts, build the Qwen3 model and "
+                    "fine-tune it on oracle transcripts of the pre-training pool until validation "
+                    "success (on training-split tasks) reaches base.stop_at_success.")
+    p.add_argument("--out", required=True, help="folder to write the base model to")
+    add_env_arg(p, default=None, help="environment to build it for: toolworld (the default preset "
+                "tiny) or codeworld (preset tiny-code unless --config says otherwise)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the training checkpointed in --out (same config; a run stopped "
+                   "by base.time_limit_minutes continues where it stopped)")
+
+    model = sub.add_parser("model", help="build or inspect models",
+                           description="Build the tiny default model or inspect a model folder.")
+    msub = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)
+    p = add_command(msub, "new", cmd_model_new,
+                    "train a tokenizer and build a random-initialised tiny model",
+                    "Train a byte-level BPE tokenizer on a corpus and build a Qwen3 model from the "
+                    "config's model.architecture, seeded by run.seed; saved in Hugging Face "
+                    "format.")
+    p.add_argument("--out", required=True, help="folder to write the model and tokenizer to")
+    p.add_argument("--corpus", help="tokenizer corpus: .txt (one text per line) or .jsonl "
+                   "('text' field); default: built-in synthetic tool-use transcripts")
+
+    p = add_command(msub, "info", cmd_model_info,
+                    "parameters, vocabulary, special tokens of a model folder",
+                    "Print facts about a saved model: parameter count, shape, vocabulary, special "
+                    "tokens and whether a chat template is present.", shared=(JSON,))
+    p.add_argument("path", help="model folder, or an embedded model name (toolworld-1m, ...)")

@@ -1,0 +1,47 @@
+"""Training runs an experiment can resume and reuse: a run folder is trained to its last step once.
+
+``compare``, ``sweep`` and the quickstart call :func:`train_or_reuse`, so an interrupted experiment
+continues where it stopped and a finished run is never trained again. A folder made with another
+config is refused rather than mixed in.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from lopd import pipeline
+from lopd.config import Config
+from lopd.trainer import CONFIG_FILE, EVAL_FILE, checkpoints, read_jsonl
+
+
+def read_evals(run_dir: Path) -> list[dict]:
+    """The run's held-out evaluations, in step order (empty before its first)."""
+    return read_jsonl(Path(run_dir) / EVAL_FILE)
+
+
+def finished(run_dir: Path, max_steps: int) -> bool:
+    return any(r["step"] == max_steps for r in read_evals(run_dir))
+
+
+def check_reusable(cfg: Config, run_dir: Path) -> None:
+    """A run folder made with a different config is never reused or resumed: that would mix runs."""
+    import yaml
+
+    saved = Path(run_dir) / CONFIG_FILE
+    if saved.exists() and yaml.safe_load(saved.read_text()) != yaml.safe_load(
+            yaml.safe_dump(cfg.to_dict(), sort_keys=False)):
+        raise ValueError(f"{run_dir} holds a run with a different config than this experiment "
+                         "asks for; move it away or use another --out")
+
+
+def train_or_reuse(cfg: Config, run_dir: Path, algo: str) -> None:
+    """Train ``run_dir`` to the end, resuming it from its last checkpoint; a finished run is reused,
+    and one stopped before its first checkpoint starts again (it has nothing to resume)."""
+    check_reusable(cfg, run_dir)
+    if finished(run_dir, cfg.train.max_steps):
+        return
+    resume = bool(checkpoints(run_dir))
+    if not resume:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    pipeline.train(cfg, run_dir, algo, resume=resume)
