@@ -32,7 +32,7 @@ def register(sub) -> None:
                     "with --rebuild, both built here), LOPD training with held-out evaluation, and "
                     "a report (report.md, summary.json, reward curve) in "
                     "RUN.output_dir/quickstart. A re-run reuses finished stages.")
-    p.add_argument("--lopd-steps", type=int, default=50,
+    p.add_argument("--lopd-steps", type=int, default=70,
                    help="LOPD steps (train.rollouts_per_step rollouts each; default: %(default)s)")
     p.add_argument("--rebuild", action="store_true",
                    help="build the bank (two sampling passes of the base over the training tasks) "

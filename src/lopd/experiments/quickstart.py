@@ -93,7 +93,7 @@ def _commands(value) -> str:
     return "; ".join(value) if isinstance(value, list) else str(value)
 
 
-def run(cfg: Config, lopd_steps: int = 50, rebuild: bool = False, bank_tasks: int = 0,
+def run(cfg: Config, lopd_steps: int = 70, rebuild: bool = False, bank_tasks: int = 0,
         fresh: bool = False, build_base: bool = False) -> dict:
     """The stages of the module docstring; returns the figures written to ``summary.json``.
 
@@ -206,7 +206,7 @@ def run(cfg: Config, lopd_steps: int = 50, rebuild: bool = False, bank_tasks: in
                            f"({cold.get('held_out_successes', '?')} held-out successes)"))
 
     run_cfg = cfg.with_overrides([f"train.max_steps={lopd_steps}",
-                                  f"train.eval_every={max(1, lopd_steps // 5)}",
+                                  f"train.eval_every={max(1, min(10, lopd_steps // 2))}",
                                   f"train.save_every={max(1, lopd_steps // 4)}",
                                   f"lopd.composer={composer_dir}", f"lopd.bank={bank_dir}"])
     run_dir = out / "lopd"
