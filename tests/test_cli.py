@@ -5,7 +5,7 @@ import pytest
 
 from lopd.cli import build_parser, main
 
-SUBCOMMANDS = [[], ["quickstart"], ["config"], ["model"], ["model", "new"], ["model", "info"],
+SUBCOMMANDS = [[], ["quickstart"], ["config"], ["model"], ["model", "new"], ["model", "info"], ["model", "prepare"],
                ["tasks"], ["eval"], ["base"], ["cold-start"], ["bank"], ["bank", "build"], ["bank", "add"],
                ["bank", "query"], ["bank", "stats"], ["bank", "eval"], ["train"], ["sweep"], ["compare"]]
 

@@ -9,9 +9,11 @@ tokens the model saw and chose, never a re-tokenisation of the text.
 Invariant: ``tokenizer.decode(rollout.input_ids)`` equals
 ``tokenizer.apply_chat_template(rollout.messages, tools=task.tools, tokenize=False)`` (no
 generation prompt), whatever way the episode ended. The template pieces between turns are cut out
-of the template's own rendering, so this holds for any ChatML-style template that renders message
-content verbatim (the project's own; Qwen-style templates that rewrite past turns, e.g. to drop
-reasoning, differ only in those rewritten turns).
+of the template's own rendering, so this holds for any template that renders message content
+verbatim and closes assistant turns with a special token (ChatML's ``<|im_end|>``, Llama 3's
+``<|eot_id|>``, Tulu/OLMo's eos; :func:`lopd.models.turn_end_token`); Qwen3-style templates that
+rewrite past turns, e.g. to add or drop reasoning, differ only in those rewritten turns.
+:func:`check_chat_template` tells whether a tokenizer's template does what the loop needs.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from lopd.envs.environment import (FINAL_MARKER, Action, Environment, Episode, FinalAnswer, Malformed,
-                            Task, ToolCall)
-from lopd.models import IM_END, TOOL_CALL_END, TOOL_CALL_START
+                            StepResult, Task, ToolCall, Verdict)
+from lopd.latent import find_subsequence, user_header
+from lopd.models import (LATENT_TOKEN, PROBE_TOOLS, TOOL_CALL_END, TOOL_CALL_START, render,
+                         turn_end_token)
 from lopd.rollout.engine import Generation, RolloutEngine, SamplingParams
 
 FINISH_REASONS = ("answer", "max_turns", "max_length", "env_done")
@@ -179,8 +183,8 @@ class Rollout:
     input_ids: list[int]
     """The whole conversation as the model saw it: prompt, then every turn and tool message."""
     action_mask: list[int]
-    """1 exactly on tokens the model generated (its closing <|im_end|> included when it produced
-    it); 0 on the prompt, tool messages and template tokens."""
+    """1 exactly on tokens the model generated (its closing end-of-turn token, ``<|im_end|>`` in
+    ChatML, included when it produced it); 0 on the prompt, tool messages and template tokens."""
     logprobs: list[float]
     """Aligned with ``input_ids``: the sampling policy's log-prob on action tokens, else 0.0."""
     prompt_length: int
@@ -255,8 +259,8 @@ class Policy(ABC):
 
     @abstractmethod
     def act(self, contexts: list[TurnContext], max_new_tokens: int, tokenizer) -> list[Generation]:
-        """One generation per context, in order. Generated ids end with ``<|im_end|>`` when the
-        turn was closed."""
+        """One generation per context, in order. Generated ids end with the end-of-turn token
+        (:func:`lopd.models.turn_end_token`) when the turn was closed."""
 
 
 class ModelPolicy(Policy):
@@ -268,10 +272,12 @@ class ModelPolicy(Policy):
     """
 
     def __init__(self, engine: RolloutEngine, tokenizer, params: SamplingParams):
-        im_end = tokenizer.convert_tokens_to_ids(IM_END)
-        if im_end not in engine.stop_token_ids:
-            raise ValueError(f"the engine must stop at {IM_END} (id {im_end}) to end assistant "
-                             f"turns; its stop ids are {sorted(engine.stop_token_ids)}")
+        turn_end = turn_end_token(tokenizer)
+        turn_end_id = tokenizer.convert_tokens_to_ids(turn_end)
+        if turn_end_id not in engine.stop_token_ids:
+            raise ValueError(f"the engine must stop at {turn_end} (id {turn_end_id}) to end "
+                             f"assistant turns; its stop ids are {sorted(engine.stop_token_ids)} "
+                             "(`lopd model prepare` adds it to the model's generation eos ids)")
         self.engine = engine
         self.params = params
         self.max_length = engine.max_length
@@ -286,8 +292,8 @@ class ModelPolicy(Policy):
 class ScriptedPolicy(Policy):
     """A policy that writes text by rule, for harness checks (gold replays, junk baselines).
 
-    Its token ids are ``tokenizer(text)`` plus ``<|im_end|>`` with log-prob 0, so its rollouts have
-    the same shape as the model's. Scripted text is not cut to ``max_new_tokens``.
+    Its token ids are ``tokenizer(text)`` plus the end-of-turn token with log-prob 0, so its
+    rollouts have the same shape as the model's. Scripted text is not cut to ``max_new_tokens``.
     """
 
     @abstractmethod
@@ -295,10 +301,10 @@ class ScriptedPolicy(Policy):
         """The assistant message for this turn."""
 
     def act(self, contexts: list[TurnContext], max_new_tokens: int, tokenizer) -> list[Generation]:
-        im_end = tokenizer.convert_tokens_to_ids(IM_END)
+        turn_end = tokenizer.convert_tokens_to_ids(turn_end_token(tokenizer))
         generations = []
         for context in contexts:
-            ids = tokenizer(self.text(context), add_special_tokens=False)["input_ids"] + [im_end]
+            ids = tokenizer(self.text(context), add_special_tokens=False)["input_ids"] + [turn_end]
             generations.append(Generation(token_ids=ids, logprobs=[0.0] * len(ids), finished=True))
         return generations
 
@@ -385,7 +391,8 @@ class _EpisodeRun:
         self.episode = episode
         self.task = episode.task
         self.tokenizer = tokenizer
-        self.im_end = tokenizer.convert_tokens_to_ids(IM_END)
+        self.turn_end = turn_end_token(tokenizer)
+        self.turn_end_id = tokenizer.convert_tokens_to_ids(self.turn_end)
         self.messages = [dict(m) for m in episode.messages()]
         with_prompt = self._template(self.messages, add_generation_prompt=True, tokenize=True)
         without = self._template(self.messages, add_generation_prompt=False, tokenize=True)
@@ -400,10 +407,7 @@ class _EpisodeRun:
         self.turns: list[dict] = []
 
     def _template(self, messages: list[dict], add_generation_prompt: bool, tokenize: bool):
-        out = self.tokenizer.apply_chat_template(
-            messages, tools=self.task.tools or None, add_generation_prompt=add_generation_prompt,
-            tokenize=tokenize, return_dict=tokenize)
-        return out["input_ids"] if tokenize else out
+        return render(self.tokenizer, messages, self.task.tools, add_generation_prompt, tokenize)
 
     def _extend(self, ids: list[int], mask: int, logprobs: list[float] | None = None) -> None:
         self.input_ids += ids
@@ -411,16 +415,16 @@ class _EpisodeRun:
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
 
     def _piece_after_assistant(self, tool_message: dict | None) -> list[int]:
-        """Token ids of what the template renders after the last assistant turn's <|im_end|>:
-        the turn's closing text and, when given, the tool message (no generation prompt)."""
+        """Token ids of what the template renders after the last assistant turn's end-of-turn
+        token: the turn's closing text and, when given, the tool message (no generation prompt)."""
         messages = self.messages[:-1] + [{"role": "assistant", "content": _CONTENT_PLACEHOLDER}]
         if tool_message is not None:
             messages.append(tool_message)
         rendered = self._template(messages, add_generation_prompt=False, tokenize=False)
-        marker = _CONTENT_PLACEHOLDER + IM_END
+        marker = _CONTENT_PLACEHOLDER + self.turn_end
         at = rendered.rfind(marker)
         if at < 0:
-            raise ValueError(f"the chat template does not end assistant turns with {IM_END}")
+            raise ValueError(f"the chat template does not end assistant turns with {self.turn_end}")
         return self.tokenizer(rendered[at + len(marker):], add_special_tokens=False)["input_ids"]
 
     def fits_next_turn(self, max_new_tokens: int, max_length: int | None) -> bool:
@@ -433,18 +437,18 @@ class _EpisodeRun:
     def advance(self, generation: Generation, max_turns: int, max_length: int | None) -> str | None:
         """Record one generated turn, step the environment; the finish reason once it is over."""
         ids, logprobs = list(generation.token_ids), list(generation.logprobs)
-        # A turn always ends with <|im_end|>: the model's own (an action token), or one closed for
-        # it (mask 0) when it was cut off or stopped on another stop token such as the eos.
-        if ids and generation.finished and ids[-1] != self.im_end:
+        # A turn always ends with the end-of-turn token: the model's own (an action token), or one
+        # closed for it (mask 0) when it was cut off or stopped on another stop token (the eos).
+        if ids and generation.finished and ids[-1] != self.turn_end_id:
             ids, logprobs = ids[:-1], logprobs[:-1]
-        closed = bool(ids) and ids[-1] == self.im_end
+        closed = bool(ids) and ids[-1] == self.turn_end_id
         content_ids = ids[:-1] if closed else ids
         text = self.tokenizer.decode(content_ids, skip_special_tokens=False,
                                      clean_up_tokenization_spaces=False)
         self._extend(self.generation_prompt, 0)
         self._extend(ids, 1, logprobs)
         if not closed:
-            self._extend([self.im_end], 0)
+            self._extend([self.turn_end_id], 0)
         self.messages.append({"role": "assistant", "content": text})
 
         action = parse_action(text, self.episode.tools)
@@ -566,3 +570,130 @@ def summarize(rollouts: list[Rollout]) -> dict:
     summary["finish_reasons"] = dict(Counter(r.finish_reason for r in rollouts))
     summary["per_domain"] = {domain: figures(group) for domain, group in sorted(by_domain.items())}
     return summary
+
+
+# ----------------------------------------------------------------------------------------------
+# What the loop and the teacher need from a chat template
+
+_PROBE_SYSTEM = "You are an agent. Use the tools, then say Task Completed."
+_PROBE_USER = "Where is order O1?"
+_PROBE_RESULT = '{"order_id": "O1", "status": "shipped"}'
+_PROBE_TASK = Task("probe-0", "probe", "train", "probe", _PROBE_USER, PROBE_TOOLS,
+                   [{"name": "get_order", "arguments": {"order_id": "O1"}},
+                    {"answer": "Shipped. Task Completed"}])
+
+
+class _ProbeEpisode(Episode):
+    """The episode of :data:`_PROBE_TASK`: any tool call gets the order's status as its result."""
+
+    def __init__(self, task: Task):
+        self.task = task
+
+    def messages(self) -> list[dict]:
+        return [{"role": "system", "content": _PROBE_SYSTEM},
+                {"role": "user", "content": _PROBE_USER}]
+
+    def step(self, action: Action) -> StepResult:
+        if isinstance(action, ToolCall):
+            return StepResult(_PROBE_RESULT, 0.0, False)
+        return StepResult(None, 1.0, True)
+
+    def verify(self) -> Verdict:
+        return Verdict(1.0, True, [])
+
+
+class _ProbeEnvironment(Environment):
+    name = "probe"
+    splits = ("train",)
+
+    def tasks(self, split: str) -> list[Task]:
+        return [_PROBE_TASK]
+
+    def reset(self, task: Task) -> Episode:
+        return _ProbeEpisode(task)
+
+
+def probe_rollout(tokenizer) -> Rollout:
+    """The oracle's episode of a one-tool probe task through the real loop: a system message with
+    tools, the user's request, a tool call, its result, the final answer."""
+    return run_episodes(_ProbeEnvironment(), [_PROBE_TASK], OraclePolicy(), tokenizer, max_turns=2,
+                        max_new_tokens=64, batch_size=1)[0]
+
+
+def check_chat_template(tokenizer) -> list[dict]:
+    """What lopd needs from ``tokenizer`` and its chat template, checked one by one: each
+    ``{"check", "ok", "required", "detail"}``. A failed required check means the agent loop or the
+    teacher cannot run on this tokenizer as it is (``lopd model prepare`` refuses it); the one
+    optional check tells whether rollouts decode to the template's own rendering (Qwen3-style
+    templates that rewrite past turns do not)."""
+    def decode(ids) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    checks: list[dict] = []
+    rollout: list[Rollout] = []
+
+    def check(name: str, probe, required: bool = True) -> None:
+        try:
+            ok, detail = probe()
+        except ValueError as exc:
+            ok, detail = False, str(exc)
+        checks.append({"check": name, "ok": bool(ok), "required": required, "detail": detail})
+
+    opening = _ProbeEpisode(_PROBE_TASK).messages()
+    call = ToolCall("get_order", {"order_id": "O1"}).to_text()
+    with_call = opening + [{"role": "assistant", "content": call}]
+
+    def rendered(messages: list[dict], *needles: str) -> tuple[bool, str]:
+        # A JSON-escaped rendering counts (Llama 3.1 writes tool results as JSON strings): the
+        # loop takes whatever the template renders, it only needs the content to be there.
+        text = render(tokenizer, messages, PROBE_TOOLS, tokenize=False)
+        missing = [n for n in needles if n not in text and json.dumps(n)[1:-1] not in text]
+        return not missing, f"missing {missing[0]!r}" if missing else "rendered"
+
+    def latent_token() -> tuple[bool, str]:
+        if LATENT_TOKEN not in tokenizer.get_vocab():
+            return False, "absent: `lopd model prepare` adds it"
+        ids = tokenizer.encode(LATENT_TOKEN, add_special_tokens=False)
+        return len(ids) == 1, f"id {ids[0]}" if len(ids) == 1 else f"split into {len(ids)} tokens"
+
+    def episode() -> tuple[bool, str]:
+        rollout.append(probe_rollout(tokenizer))
+        r = rollout[0]
+        return (r.num_turns == 2 and r.reward == 1.0,
+                f"{len(r.input_ids)} tokens, {r.generated_tokens} action tokens, turns end with "
+                f"{turn_end_token(tokenizer)}")
+
+    def reference() -> tuple[bool, str]:
+        if not rollout:
+            return False, "needs the probe episode"
+        ids = rollout[0].input_ids
+        header = user_header(tokenizer)
+        found = find_subsequence(ids, header)
+        if found < 0:
+            return False, f"the user header {decode(header)!r} is not in the rollout"
+        at = found + len(header)
+        before, after = decode(ids[:at]), decode(ids[at:])
+        content = after.find(_PROBE_USER)
+        ok = (_PROBE_SYSTEM in before and _PROBE_USER not in before and content >= 0
+              and turn_end_token(tokenizer) not in after[:content])
+        where = f"after {decode(header)!r}"
+        return ok, where + (" at the start of the first user message" if ok else
+                            ", not at the start of the first user message")
+
+    def same_text() -> tuple[bool, str]:
+        if not rollout:
+            return False, "needs the probe episode"
+        r = rollout[0]
+        same = decode(r.input_ids) == render(tokenizer, r.messages, PROBE_TOOLS, tokenize=False)
+        return same, ("identical" if same else
+                      "differs (the template rewrites past turns); training is unaffected")
+
+    check("system message with tools", lambda: rendered(opening, _PROBE_SYSTEM, "get_order"))
+    check("tool-call assistant turn", lambda: rendered(with_call, call))
+    check("tool result message", lambda: rendered(
+        with_call + [{"role": "tool", "content": _PROBE_RESULT}], _PROBE_RESULT))
+    check("agent episode", episode)
+    check("reference block placement", reference)
+    check(f"{LATENT_TOKEN} token", latent_token)
+    check("rollout text equals the template's", same_text, required=False)
+    return checks

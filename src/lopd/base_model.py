@@ -215,12 +215,13 @@ def prepare(cfg: Config, out: Path, env, progress: bool = True):
         [[t.instruction, t.oracle] for t in pool]).encode()).hexdigest()[:16]
     data_path = out / "sft_data.npz"
     if (out / "tokenizer.json").exists():
-        tokenizer = models.load_tokenizer(out)
+        tokenizer = models.load_tokenizer(out, trust_remote_code=cfg.model.trust_remote_code)
         data = SFTData.load(data_path, meta)
         if data is not None:
             return tokenizer, data
     if cfg.base.init_from:
-        tokenizer = models.load_tokenizer(models.resolve_model_path(cfg.base.init_from))
+        tokenizer = models.load_tokenizer(models.resolve_model_path(cfg.base.init_from),
+                                          trust_remote_code=cfg.model.trust_remote_code)
     else:
         tokenizer = models.train_tokenizer(tokenizer_corpus(env, pool),
                                            vocab_size=cfg.model.vocab_size)
@@ -291,7 +292,6 @@ def build_base(cfg: Config, out_dir: str | Path, progress: bool = True, resume: 
             raise ValueError(f"{out / CHECKPOINT} was made with a different config; resume with "
                              "the same settings (only base.time_limit_minutes and run.num_threads may change)")
     device = runtime.setup(cfg.run)
-    dtype = runtime.resolve_dtype(cfg.run.dtype, device)
     bcfg = cfg.base
     start = time.perf_counter()
 
@@ -303,11 +303,13 @@ def build_base(cfg: Config, out_dir: str | Path, progress: bool = True, resume: 
     tokenizer, data = prepare(cfg, out, env, progress=progress)
     prepare_seconds = time.perf_counter() - start
     if bcfg.init_from:
-        model, _ = models.load_model(bcfg.init_from)
+        model, _ = models.load_model(bcfg.init_from,
+                                     trust_remote_code=cfg.model.trust_remote_code)
     else:
         model = models.build_model(tokenizer, preset=cfg.model.architecture, seed=cfg.run.seed,
                                    max_position_embeddings=cfg.model.max_position_embeddings)
-    model.to(device=device, dtype=dtype).train()
+    # Trained weights stay float32; bf16-mixed precision runs the forward under autocast.
+    model.to(device=device, dtype=torch.float32).train()
     lengths = data.lengths()
     too_long = sum(n > cfg.model.max_position_embeddings for n in lengths)
     if too_long:
@@ -342,7 +344,8 @@ def build_base(cfg: Config, out_dir: str | Path, progress: bool = True, resume: 
             [data.sequence(i) for i in batches.pop()], tokenizer.pad_token_id).items()}
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, bcfg)
-        loss, n_tokens = action_token_loss(model, batch)
+        with runtime.autocast(cfg.run.precision, device):
+            loss, n_tokens = action_token_loss(model, batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), bcfg.max_grad_norm)

@@ -100,13 +100,18 @@ class Composer(nn.Module):
                           lora_dropout=self.spec.lora_dropout,
                           target_modules=list(self.spec.lora_targets))
         self.encoder = get_peft_model(base, lora)
+        # φ trains: the LoRA matrices and the compressor are float32 even on a bfloat16 base
+        # (bf16-mixed precision runs them under autocast; their weights and Adam state stay fp32).
+        for p in self.encoder.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
         width = base.config.hidden_size
         embed_width = base.get_input_embeddings().weight.size(1)
-        self.compressor = Compressor(width, embed_width, self.spec).to(
-            device=base.device, dtype=base.get_input_embeddings().weight.dtype)
+        self.compressor = Compressor(width, embed_width, self.spec).to(device=base.device,
+                                                                        dtype=torch.float32)
         with torch.no_grad():
             norm = base.get_input_embeddings().weight.float().norm(dim=-1).mean()
-        self.register_buffer("target_norm", norm.to(self.compressor.queries.dtype))
+        self.register_buffer("target_norm", norm)
         self.anchor_compressor: Compressor | None = None
 
     # -- the two views of the one base --------------------------------------------------------
@@ -162,7 +167,7 @@ class Composer(nn.Module):
         # The decoder stack alone: the encoding is the last hidden layer, no vocabulary logits.
         states = self.base.get_decoder()(input_ids=batch["input_ids"],
                                          attention_mask=batch["attention_mask"]).last_hidden_state
-        z = compressor(states, batch["attention_mask"])
+        z = compressor(states.to(compressor.queries.dtype), batch["attention_mask"])
         z = z / z.norm(dim=-1, keepdim=True).clamp_min(1e-6) * self.target_norm
         return z.reshape(len(tasks), n * self.spec.num_latents, z.size(-1))
 

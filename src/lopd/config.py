@@ -48,8 +48,16 @@ class RunConfig:
         ge=1)
     device: Literal["auto", "cpu", "cuda", "mps"] = knob(
         "auto", "Device for models: 'auto' picks cuda when present, else cpu.")
+    precision: Literal["auto", "fp32", "bf16-mixed"] = knob(
+        "auto", "Training precision. 'bf16-mixed': trainable weights (student, composer) and their "
+        "optimiser states stay float32 while forward and backward run under bfloat16 autocast; "
+        "'fp32': everything float32. 'auto' is bf16-mixed on cuda and fp32 elsewhere. Plain AdamW "
+        "on bfloat16 weights at lr 1e-5 leaves most weights unchanged, so it is not offered.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = knob(
-        "auto", "Model dtype: 'auto' is float32 on cpu and bfloat16 on cuda.")
+        "auto", "Storage dtype of frozen and inference-only weights (the frozen base θ0 the "
+        "teacher and the composer's encoder share, a GRPO reference, models under `lopd eval`): "
+        "'auto' is bfloat16 under bf16-mixed precision and float32 otherwise. Trainable weights "
+        "are float32 whatever this says.")
     output_dir: str = knob("runs", "Folder under which every command writes its outputs.")
 
 
@@ -61,9 +69,11 @@ class ModelConfig:
         "toolworld-1m", "A local folder with a Hugging Face causal LM and tokenizer, a hub id (only "
         "where a network exists), or an embedded model: toolworld-1m (the toolworld base), "
         "toolworld-1m-plain (its first stage, plain requests only), codeworld-1m (the code base).")
-    architecture: Literal["qwen3-1m", "qwen3-4m"] = knob(
+    architecture: Literal["qwen3-1m", "qwen3-4m", "qwen3-4b", "qwen3-8b", "olmo3-7b"] = knob(
         "qwen3-1m", "Shape of a newly built model: 'qwen3-1m' (hidden 128, 2 layers, ~1M "
-        "parameters) or 'qwen3-4m' (hidden 256, 4 layers, ~4M parameters).")
+        "parameters), 'qwen3-4m' (hidden 256, 4 layers, ~4M parameters), or the shape of a real "
+        "checkpoint (qwen3-4b, qwen3-8b, olmo3-7b) for random-weight checks such as "
+        "benchmarks/gpu_check.py; a real model's own folder always defines its shape.")
     vocab_size: int = knob(
         2048, "Target vocabulary size of a newly trained byte-level BPE tokenizer (special tokens "
         "included).", ge=300)
@@ -103,6 +113,13 @@ class TrainConfig:
     max_grad_norm: float = knob(1.0, "Gradient-norm clip of the student update.", gt=0.0)
     weight_decay: float = knob(0.0, "AdamW weight decay.", ge=0.0)
     rollouts_per_step: int = knob(32, "Rollouts (generations) collected for one training step.", ge=1)
+    gradient_checkpointing: bool = knob(
+        False, "Recompute the student's decoder activations in the backward pass instead of "
+        "keeping them (less memory, about a third more compute).")
+    loss_chunk_tokens: int = knob(
+        1024, "Action tokens whose vocabulary-sized log-probs are computed at once in the losses; "
+        "the output head runs chunk by chunk and is recomputed in the backward pass, so no "
+        "(action tokens x vocabulary) tensor is kept. 0 = all of a micro-batch at once.", ge=0)
     per_device_train_batch_size: int = knob(
         0, "Rollouts scored together in one forward/backward pass (TRL's name); a step's "
         "rollouts are split into micro-batches of this size and their gradients accumulated, "

@@ -238,9 +238,10 @@ class TransformersEmbedder(Embedder):
         return out
 
 
-def load_embedder(spec: EmbedderSpec, batch_size: int = 32,
-                  device: torch.device | str = "cpu") -> TransformersEmbedder:
-    """Load the model of ``spec`` from local files only: nothing is ever downloaded."""
+def load_embedder(spec: EmbedderSpec, batch_size: int = 32, device: torch.device | str = "cpu",
+                  trust_remote_code: bool = False) -> TransformersEmbedder:
+    """Load the model of ``spec`` from local files only: nothing is ever downloaded.
+    ``trust_remote_code`` (``model.trust_remote_code``) lets a folder run its own model code."""
     from transformers import AutoModel
 
     from lopd import models
@@ -254,8 +255,9 @@ def load_embedder(spec: EmbedderSpec, batch_size: int = 32,
     if not (path / "config.json").is_file():
         raise BankError(f"embedder {spec.describe()}: {path} is not a local model folder (no "
                         "config.json); the bank only loads local files")
-    tokenizer = models.load_tokenizer(path)
-    model = AutoModel.from_pretrained(str(path), local_files_only=True).to(device).eval()
+    tokenizer = models.load_tokenizer(path, trust_remote_code=trust_remote_code)
+    model = AutoModel.from_pretrained(str(path), local_files_only=True,
+                                      trust_remote_code=trust_remote_code).to(device).eval()
     return TransformersEmbedder(spec, model, tokenizer, batch_size=batch_size)
 
 
@@ -382,7 +384,7 @@ class ExperienceBank:
 
     @classmethod
     def open(cls, folder: str | Path, embedder: Embedder | None = None, batch_size: int = 32,
-             device: torch.device | str = "cpu") -> ExperienceBank:
+             device: torch.device | str = "cpu", trust_remote_code: bool = False) -> ExperienceBank:
         """Open the bank in ``folder``. Without ``embedder`` the stored one is loaded; a given
         embedder must match the stored spec and dimension (vectors must stay comparable)."""
         folder = Path(folder)
@@ -394,7 +396,8 @@ class ExperienceBank:
         try:
             settings, spec = _read_settings(conn, path)
             if embedder is None:
-                embedder = load_embedder(spec, batch_size=batch_size, device=device)
+                embedder = load_embedder(spec, batch_size=batch_size, device=device,
+                                         trust_remote_code=trust_remote_code)
             elif embedder.spec != spec or embedder.dim != settings["dim"]:
                 raise BankError(f"{folder} was built with embedder {spec.describe()} "
                                 f"({settings['dim']}-d), not {embedder.spec.describe()} "
@@ -408,11 +411,14 @@ class ExperienceBank:
     @classmethod
     def open_or_create(cls, folder: str | Path, spec: EmbedderSpec, reward_threshold: float = 1.0,
                        max_observation_chars: int = 80, batch_size: int = 32,
-                       device: torch.device | str = "cpu") -> ExperienceBank:
+                       device: torch.device | str = "cpu",
+                       trust_remote_code: bool = False) -> ExperienceBank:
         """Open the bank in ``folder`` (its stored settings win), or create it from these."""
         if (Path(folder) / DB_NAME).exists():
-            return cls.open(folder, batch_size=batch_size, device=device)
-        embedder = load_embedder(spec, batch_size=batch_size, device=device)
+            return cls.open(folder, batch_size=batch_size, device=device,
+                            trust_remote_code=trust_remote_code)
+        embedder = load_embedder(spec, batch_size=batch_size, device=device,
+                                 trust_remote_code=trust_remote_code)
         return cls.create(folder, embedder, reward_threshold, max_observation_chars)
 
     def close(self) -> None:

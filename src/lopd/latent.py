@@ -8,7 +8,9 @@ every other token, position and mask is the student's, so teacher and student sc
 
 The reference block is inserted at the token level (right after the user header), not by
 re-rendering text, so the student's token ids are kept exactly and the same insertion serves latents
-(sentinels) and plain-text references (the "raw trace as text" ablation) alike.
+(sentinels) and plain-text references (the "raw trace as text" ablation) alike. The user header is
+not written down for one chat format: :func:`user_header` reads it off the tokenizer's own template
+(ChatML, Llama 3, Tulu/OLMo, ...).
 """
 
 from __future__ import annotations
@@ -18,10 +20,82 @@ from dataclasses import dataclass
 
 import torch
 
-from lopd.models import IM_START, LATENT_TOKEN
+from lopd.models import LATENT_TOKEN, PROBE_TOOLS, render
 
 REFERENCE_PREFIX = "Reference from a similar task (context, not an instruction):\n"
 REFERENCE_SUFFIX = "\n\n"
+
+# Probe conversations for :func:`user_header`. The user contents start with different kinds of
+# character (upper and lower case, digit, brackets, quote, non-ASCII), so a BPE merge of the
+# header's last characters with the content's first shows up as a difference between their ids; the
+# system messages differ in length, ending and inner line breaks, so what is common to all of them
+# after the system text is the user message's opening alone.
+_PROBE_USERS = ("Cancel order O1.", "cancel it", "42 items", "[urgent] hold S1", '{"order": 1}',
+                "(x) y", '"quoted" z', "Über alles")
+_PROBE_SYSTEMS = ("You are an agent.",
+                  "You are an agent that uses tools.\n\nCall one tool per turn.\nThen answer")
+
+
+def _common_prefix(seqs: Sequence[Sequence[int]]) -> list[int]:
+    first = seqs[0]
+    n = min(map(len, seqs))
+    for i in range(n):
+        if any(s[i] != first[i] for s in seqs):
+            return list(first[:i])
+    return list(first[:n])
+
+
+def user_header(tokenizer) -> tuple[int, ...]:
+    """The token ids that open the first user message in ``tokenizer``'s chat template, exactly as
+    they occur in the agent loop's rollouts (``<|im_start|>user\\n`` in ChatML).
+
+    Derived, not assumed: the conversation [system, user] is rendered to ids through
+    :func:`lopd.models.render` (the agent's path) for several system and user texts. The tokens
+    every user text shares are the ones before its content — a header token that merges with the
+    content's first characters differs between them and is left out, so the header never depends on
+    what the user wrote. The header is the shortest run of those tokens that is the same after
+    every system text, occurs nowhere earlier, and starts at a template token (an added token,
+    else the start of a line). It is then checked on the rendering with tools.
+    """
+    def user_turn(system: str, user: str) -> list[dict]:
+        return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+    text = render(tokenizer, user_turn(_PROBE_SYSTEMS[0], _PROBE_USERS[0]), tokenize=False)
+    if _PROBE_USERS[0] not in text:
+        raise ValueError("the chat template does not render a user message's content (no user "
+                         "role?); cannot place the reference block in the first user message")
+    # Every environment opens with a system message, so the header is derived after one.
+    heads = [_common_prefix([render(tokenizer, user_turn(system, user)) for user in _PROBE_USERS])
+             for system in _PROBE_SYSTEMS]
+    added = set(tokenizer.added_tokens_decoder)
+
+    def line_start(head: list[int], n: int) -> bool:
+        if n == len(head):
+            return True
+        before = head[-n - 1]
+        return before in added or tokenizer.decode([before]).endswith("\n")
+
+    shortest = min(map(len, heads))
+    candidates = []
+    for n in range(1, shortest + 1):
+        header = heads[0][-n:]
+        if any(h[-n:] != header for h in heads):
+            break  # longer runs reach into the system text
+        if all(find_subsequence(h, header) == len(h) - n for h in heads):
+            candidates.append(tuple(header))
+    header = next((h for h in candidates if h[0] in added), None)
+    if header is None:
+        header = next((h for h in candidates if all(line_start(head, len(h)) for head in heads)),
+                      None)
+    if header is None:
+        raise ValueError("cannot find the tokens that open the first user message in the chat "
+                         "template's rendering; cannot place the reference block")
+    with_tools = render(tokenizer, user_turn(_PROBE_SYSTEMS[0], _PROBE_USERS[0]), PROBE_TOOLS)
+    at = find_subsequence(with_tools, header)
+    if at < 0 or _PROBE_USERS[0] in tokenizer.decode(with_tools[:at + len(header)]):
+        raise ValueError(f"the user header {tokenizer.decode(header)!r} does not open the first "
+                         "user message when the chat template renders tools")
+    return header
 
 
 @dataclass(frozen=True)
@@ -29,7 +103,8 @@ class ReferenceFormat:
     """Token ids of the pieces of a reference block, for one tokenizer."""
 
     header: tuple[int, ...]
-    """The first user message's header (``<|im_start|>user\\n``): the block goes right after it."""
+    """The tokens that open the first user message (:func:`user_header`; ``<|im_start|>user\\n``
+    in ChatML): the block goes right after them."""
     prefix: tuple[int, ...]
     suffix: tuple[int, ...]
     latent_id: int
@@ -38,13 +113,13 @@ class ReferenceFormat:
     def for_tokenizer(cls, tokenizer) -> ReferenceFormat:
         latent_id = tokenizer.convert_tokens_to_ids(LATENT_TOKEN)
         if latent_id is None or latent_id == tokenizer.unk_token_id:
-            raise ValueError(f"the tokenizer has no {LATENT_TOKEN} token; add it as a special token "
-                             "(tokenizers built by lopd have it)")
+            raise ValueError(f"the tokenizer has no {LATENT_TOKEN} token; add it with `lopd model "
+                             "prepare SRC --out DIR` (tokenizers built by lopd have it)")
 
         def encode(text: str) -> tuple[int, ...]:
             return tuple(tokenizer.encode(text, add_special_tokens=False))
 
-        return cls(header=encode(f"{IM_START}user\n"), prefix=encode(REFERENCE_PREFIX),
+        return cls(header=user_header(tokenizer), prefix=encode(REFERENCE_PREFIX),
                    suffix=encode(REFERENCE_SUFFIX), latent_id=latent_id)
 
     def latent_block(self, n_latents: int) -> list[int]:

@@ -1,4 +1,11 @@
-"""Models and tokenizers: load any Hugging Face causal LM, or build the tiny default.
+"""Models and tokenizers: load any Hugging Face causal LM and prepare it for lopd, or build the
+tiny default.
+
+Preparing (``lopd model prepare``) is what lets an external checkpoint (Qwen3, Llama 3, OLMo) run:
+the ``<|latent|>`` sentinel is added with a mean-initialised embedding row, and generation stops at
+the chat template's own end-of-turn token. What lopd needs from a chat template is read off the
+template itself (:func:`render`, :func:`turn_end_token`, :func:`lopd.latent.user_header`), never
+assumed to be ChatML.
 
 The tiny default is what makes the project run end to end on a 2-core CPU: a byte-level BPE
 tokenizer trained on the caller's corpus (environment transcripts) and a Qwen3-architecture model of
@@ -205,10 +212,21 @@ def count_parameters(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def model_info(path: str | Path) -> dict:
-    """Facts about a saved model folder, as printed by ``lopd model info``."""
-    model, tokenizer = load_model(path)
+def model_info(path: str | Path, trust_remote_code: bool = False) -> dict:
+    """Facts about a saved model folder, as printed by ``lopd model info``: shape, vocabulary,
+    whether ``<|latent|>`` is there, and the verdict of :func:`lopd.agent.check_chat_template`."""
+    from lopd.agent import check_chat_template
+
+    model, tokenizer = load_model(path, trust_remote_code=trust_remote_code)
     cfg = model.config
+    checks = check_chat_template(tokenizer)
+    failed = [c["check"] for c in checks if c["required"] and not c["ok"]]
+    try:
+        turn_end = turn_end_token(tokenizer)
+    except ValueError:
+        turn_end = None
+    eos = model.generation_config.eos_token_id
+    stops = {tokenizer.eos_token_id, *([eos] if isinstance(eos, int) else eos or [])}
     return {
         "path": resolve_model_path(path),
         "architecture": (cfg.architectures or [type(model).__name__])[0],
@@ -222,6 +240,11 @@ def model_info(path: str | Path) -> dict:
         "special_tokens": list(tokenizer.all_special_tokens),
         "latent_token": LATENT_TOKEN if LATENT_TOKEN in tokenizer.get_vocab() else None,
         "chat_template": tokenizer.chat_template is not None,
+        "turn_end_token": turn_end,
+        "stops_at_turn_end": (turn_end is not None
+                              and tokenizer.convert_tokens_to_ids(turn_end) in stops),
+        "chat_template_checks": "failed: " + "; ".join(failed) if failed else "pass",
+        "checks": checks,
     }
 
 
@@ -237,3 +260,192 @@ def render_chat(messages: list[dict], tools: list[dict] | None = None,
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     return env.from_string(CHAT_TEMPLATE).render(
         messages=messages, tools=tools, add_generation_prompt=add_generation_prompt)
+
+
+# ----------------------------------------------------------------------------------------------
+# Any tokenizer's chat template, and the latent token on any model
+
+PROBE_TOOLS = [{"type": "function", "function": {
+    "name": "get_order", "description": "Look up an order.",
+    "parameters": {"type": "object", "properties": {"order_id": {"type": "string"}},
+                   "required": ["order_id"]}}}]
+"""A one-tool schema for probing how a chat template renders tools (header derivation, checks)."""
+
+_PROBE_REPLY = "Order O1 is shipped."
+
+
+def render(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+           add_generation_prompt: bool = False, tokenize: bool = True):
+    """A conversation through the tokenizer's chat template: token ids, or the text with
+    ``tokenize=False``. The ids are what the agent loop puts in a rollout (the template's text
+    tokenised in one piece, no extra special tokens), so every template token lopd looks for in a
+    rollout is derived through here. A template that cannot render the conversation is a
+    one-line ``ValueError``."""
+    from jinja2 import TemplateError
+
+    if tokenizer.chat_template is None:
+        raise ValueError("the tokenizer has no chat template")
+    try:
+        out = tokenizer.apply_chat_template(messages, tools=tools or None,
+                                            add_generation_prompt=add_generation_prompt,
+                                            tokenize=tokenize, return_dict=tokenize)
+    except TemplateError as exc:
+        roles = "/".join(m["role"] for m in messages)
+        raise ValueError(f"the chat template cannot render a {roles} conversation: {exc}") from None
+    return list(out["input_ids"]) if tokenize else out
+
+
+def turn_end_token(tokenizer) -> str:
+    """The special token that closes an assistant turn in the tokenizer's chat template:
+    ``<|im_end|>`` in ChatML (Qwen), ``<|eot_id|>`` in Llama 3, the eos in Tulu/OLMo. The agent
+    loop ends every turn with it and the engine must stop on it."""
+    text = render(tokenizer, [{"role": "user", "content": "Where is order O1?"},
+                              {"role": "assistant", "content": _PROBE_REPLY}], tokenize=False)
+    at = text.rfind(_PROBE_REPLY)
+    if at < 0:
+        raise ValueError("the chat template does not render an assistant message's content "
+                         "verbatim")
+    rest = text[at + len(_PROBE_REPLY):]
+    added = sorted((t.content for t in tokenizer.added_tokens_decoder.values()), key=len,
+                   reverse=True)
+    for token in added:
+        if token and rest.startswith(token):
+            return token
+    raise ValueError(f"the chat template does not close assistant turns with a special token "
+                     f"(it renders {rest[:24]!r} after the content)")
+
+
+def add_latent_token(model, tokenizer) -> bool:
+    """Give ``tokenizer`` the ``<|latent|>`` sentinel (a special token, never split) and ``model``
+    an embedding row for it, when the tokenizer lacks it; True when it was added.
+
+    The embeddings are resized only when the matrix has no spare row for the new id (Qwen's
+    matrices are padded past the vocabulary). The new row — input embedding and, when untied, the
+    output head — is the mean of the rows of the tokens the tokenizer already had: the teacher
+    never reads the sentinel itself (latents replace it), and the mean keeps the head's logit for
+    it unremarkable instead of random.
+    """
+    if LATENT_TOKEN in tokenizer.get_vocab():
+        return False
+    known = len(tokenizer)
+    tokenizer.add_special_tokens({"extra_special_tokens": [LATENT_TOKEN]},
+                                 replace_extra_special_tokens=False)
+    latent_id = tokenizer.convert_tokens_to_ids(LATENT_TOKEN)
+    if model.get_input_embeddings().num_embeddings <= latent_id:
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    with torch.no_grad():
+        for tensor in _token_row_tensors(model):
+            tensor[latent_id] = tensor[:known].float().mean(0).to(tensor.dtype)
+    return True
+
+
+def _token_row_tensors(model) -> list[torch.Tensor]:
+    """The tensors with one row per token: the input embedding, and the output head's weight (and
+    bias) when they are not the input embedding itself (tied)."""
+    tensors = [model.get_input_embeddings().weight]
+    head = model.get_output_embeddings()
+    if head is not None:
+        for tensor in (head.weight, getattr(head, "bias", None)):
+            if tensor is not None and all(tensor is not t for t in tensors):
+                tensors.append(tensor)
+    return tensors
+
+
+def freeze_token_rows(model, token_ids) -> list:
+    """Keep the rows of ``token_ids`` out of every update: gradient hooks zero those rows of the
+    input embedding and, when untied, the output head (weight and bias), so Adam never moves them
+    (its moments stay zero). Weight decay is applied apart from the gradient: keep it at 0 on these
+    matrices. Returns the hook handles (``handle.remove()`` undoes it); parameters that do not
+    require gradients (a LoRA student) get none."""
+    index = torch.tensor(sorted(set(int(i) for i in token_ids)), dtype=torch.long)
+    handles = []
+    for tensor in _token_row_tensors(model):
+        if tensor.requires_grad and index.numel():
+            rows = index.to(tensor.device)
+            handles.append(tensor.register_hook(
+                lambda grad, rows=rows: grad.index_fill(0, rows, 0)))
+    return handles
+
+
+def add_turn_end_stop(model, tokenizer) -> int:
+    """Make generation stop at the template's end-of-turn token (:func:`turn_end_token`): added to
+    the model's generation eos ids when neither they nor the tokenizer's eos already name it (a
+    base Llama 3 tokenizer's eos is ``<|end_of_text|>``, its turns end with ``<|eot_id|>``). The
+    token id."""
+    turn_end = tokenizer.convert_tokens_to_ids(turn_end_token(tokenizer))
+    config = model.generation_config
+    eos = config.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    if turn_end != tokenizer.eos_token_id and turn_end not in eos:
+        if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+            eos.append(tokenizer.eos_token_id)
+        config.eos_token_id = [*eos, turn_end]
+    if config.pad_token_id is None:
+        config.pad_token_id = tokenizer.pad_token_id
+    return turn_end
+
+
+# ----------------------------------------------------------------------------------------------
+# Shapes of real checkpoints, for random-weight checks (benchmarks/gpu_check.py, the preset tests).
+# A real model's own folder always defines its shape; these only build look-alikes without a
+# download.
+
+REAL_SHAPES = {
+    "qwen3-4b": ("qwen3", {"hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
+                           "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                           "vocab_size": 151936, "tie_word_embeddings": True,
+                           "max_position_embeddings": 40960}),
+    "qwen3-8b": ("qwen3", {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                           "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                           "vocab_size": 151936, "tie_word_embeddings": False,
+                           "max_position_embeddings": 40960}),
+    "olmo3-7b": ("olmo3", {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                           "num_attention_heads": 32, "num_key_value_heads": 32,
+                           "vocab_size": 100278, "tie_word_embeddings": False,
+                           "max_position_embeddings": 65536, "sliding_window": 4096}),
+}
+
+
+def shaped_config(architecture: str, tokenizer=None, width: int | None = None,
+                  layers: int | None = None, vocab_size: int | None = None):
+    """The transformers config of a real checkpoint's shape (``REAL_SHAPES``), optionally reduced:
+    ``width`` hidden units (heads, key-value heads and FFN width scaled in proportion, head width
+    ``width / heads``), ``layers`` decoder layers, ``vocab_size`` rows (default: the shape's, or
+    the tokenizer's when it is larger)."""
+    from transformers import AutoConfig
+
+    if architecture not in REAL_SHAPES:
+        raise ValueError(f"unknown checkpoint shape {architecture!r}; shapes: {', '.join(REAL_SHAPES)}")
+    model_type, shape = REAL_SHAPES[architecture]
+    shape = dict(shape)
+    if width is not None:
+        heads = max(2, min(shape["num_attention_heads"], width // 16))
+        ratio = shape["num_attention_heads"] // shape["num_key_value_heads"]
+        shape.update(intermediate_size=max(8, shape["intermediate_size"] * width // shape["hidden_size"]),
+                     hidden_size=width, num_attention_heads=heads,
+                     num_key_value_heads=max(1, heads // ratio))
+        if "head_dim" in shape:
+            shape["head_dim"] = width // heads
+    if layers is not None:
+        shape["num_hidden_layers"] = layers
+    if vocab_size is not None:
+        shape["vocab_size"] = vocab_size
+    elif tokenizer is not None:
+        shape["vocab_size"] = max(shape["vocab_size"], len(tokenizer))
+    if tokenizer is not None:
+        shape.update(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                     bos_token_id=None)
+    return AutoConfig.for_model(model_type, **shape)
+
+
+def build_shaped_model(architecture: str, tokenizer=None, seed: int = 0, **reduce):
+    """A random-initialised causal LM of ``shaped_config(architecture, tokenizer, **reduce)``."""
+    config = shaped_config(architecture, tokenizer, **reduce)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+    if tokenizer is not None:
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.generation_config.bos_token_id = None
+    return model

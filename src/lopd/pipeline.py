@@ -107,7 +107,7 @@ def load_model(cfg: Config, model_path: str | None = None, device=None):
 
     device = device if device is not None else runtime.resolve_device(cfg.run.device)
     model, tokenizer = models.load_model(model_path or cfg.model.name_or_path, device=device,
-                                         dtype=runtime.resolve_dtype(cfg.run.dtype, device),
+                                         dtype=runtime.resolve_dtype(cfg.run.dtype, device, cfg.run.precision),
                                          trust_remote_code=cfg.model.trust_remote_code)
     return model.eval(), tokenizer
 
@@ -184,6 +184,61 @@ def build_and_save(cfg: Config, corpus: list[str], out: str | Path) -> dict:
         "corpus_texts": len(corpus),
         "seed": cfg.run.seed,
         "seconds": round(time.perf_counter() - start, 2),
+    }
+
+
+def prepare_model(cfg: Config, source: str | Path, out: str | Path) -> dict:
+    """Make any Hugging Face causal LM (folder, embedded name or hub id) ready for lopd and save it,
+    model and tokenizer, in ``out``: ``<|latent|>`` added when absent (a special token; embeddings
+    resized and the new row the mean of the existing ones, :func:`lopd.models.add_latent_token`),
+    generation stopping at the template's end-of-turn token, and the chat template checked
+    (:func:`lopd.agent.check_chat_template`: system message with tools, tool-call turn, tool result,
+    an agent episode, the reference block's place). A failed required check stops before anything
+    is written. ``model.trust_remote_code`` is honoured; the checkpoint keeps its dtype. Returns
+    what was done."""
+    from transformers import AutoModelForCausalLM
+
+    from lopd import agent, models, runtime
+    from lopd.latent import user_header
+
+    runtime.setup(cfg.run)
+    path = models.resolve_model_path(source)
+    out = Path(out)
+    if Path(path).exists() and out.resolve() == Path(path).resolve():
+        raise ValueError(f"--out {out} is the source folder; write the prepared model elsewhere")
+    trust = cfg.model.trust_remote_code
+    tokenizer = models.load_tokenizer(path, trust_remote_code=trust)
+    # dtype "auto": the checkpoint's own (a bf16 model is not saved back as fp32, twice the size).
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="auto", trust_remote_code=trust)
+    vocab, rows = len(tokenizer), model.get_input_embeddings().num_embeddings
+    added = models.add_latent_token(model, tokenizer)
+    checks = agent.check_chat_template(tokenizer)
+    failed = [c for c in checks if c["required"] and not c["ok"]]
+    if failed:
+        raise ValueError(f"{source}: the chat template does not do what lopd needs: " + "; ".join(
+            f"{c['check']}: {c['detail']}" for c in failed) + " (fix the tokenizer's chat template "
+            "and prepare again; nothing was written)")
+    turn_end = models.add_turn_end_stop(model, tokenizer)
+    models.save_model(model, tokenizer, out)
+    head = model.get_output_embeddings()
+    eos = model.generation_config.eos_token_id
+    return {
+        "source": path,
+        "out": str(out),
+        "latent_token": "added" if added else "already present",
+        "latent_id": tokenizer.convert_tokens_to_ids(models.LATENT_TOKEN),
+        "latent_row": f"mean of {vocab} token rows" if added else "unchanged",
+        "vocab_size": f"{vocab} -> {len(tokenizer)}",
+        "embedding_rows": f"{rows} -> {model.get_input_embeddings().num_embeddings}",
+        "tied_embeddings": head is not None and head.weight is model.get_input_embeddings().weight,
+        "turn_end_token": f"{models.turn_end_token(tokenizer)} (id {turn_end})",
+        "stop_token_ids": sorted({*([eos] if isinstance(eos, int) else eos or []),
+                                  *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None
+                                    else [])}),
+        "user_header": repr(tokenizer.decode(user_header(tokenizer))),
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "trust_remote_code": trust,
+        "checks": checks,
     }
 
 
@@ -326,7 +381,8 @@ def open_bank(cfg: Config, folder: str | Path, device=None):
     from lopd.experience import ExperienceBank
 
     return ExperienceBank.open(folder, batch_size=cfg.bank.embed_batch_size,
-                               device=_device(cfg, device))
+                               device=_device(cfg, device),
+                               trust_remote_code=cfg.model.trust_remote_code)
 
 
 def build_bank(cfg: Config, out: str | Path, model_path: str | None = None, agent: str = "model",
@@ -356,7 +412,8 @@ def build_bank(cfg: Config, out: str | Path, model_path: str | None = None, agen
     spec = spec_from_config(cfg.bank, model_path)
     bank = ExperienceBank.open_or_create(
         out, spec, cfg.bank.reward_threshold, cfg.bank.max_observation_chars,
-        batch_size=cfg.bank.embed_batch_size, device=device)
+        batch_size=cfg.bank.embed_batch_size, device=device,
+        trust_remote_code=cfg.model.trust_remote_code)
     if (bank.embedder.spec, bank.reward_threshold, bank.max_observation_chars) != (
             spec, cfg.bank.reward_threshold, cfg.bank.max_observation_chars):
         # Said now, not with the figures: the user may want to stop before the rollouts.
@@ -465,7 +522,9 @@ def cold_start(cfg: Config, bank_dir: str | Path, out: str | Path, model_path: s
         start = time.perf_counter()
         history = cs.cold_start(composer, bank, successes, cfg.cold_start, n_ret,
                                 seed=cfg.run.seed, progress=progress,
-                                micro_batch_size=cfg.train.per_device_train_batch_size)
+                                micro_batch_size=cfg.train.per_device_train_batch_size,
+                                precision=runtime.resolve_precision(cfg.run.precision,
+                                                                    model.device))
         seconds = time.perf_counter() - start
         composer.save(out)
         table, groups = {}, {}

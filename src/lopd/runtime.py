@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 
@@ -37,10 +38,27 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """``run.precision`` made concrete: 'bf16-mixed' on cuda for 'auto', 'fp32' elsewhere."""
+    if precision == "auto":
+        return "bf16-mixed" if device.type == "cuda" else "fp32"
+    return precision
+
+
+def resolve_dtype(dtype: str, device: torch.device, precision: str = "auto") -> torch.dtype:
+    """Storage dtype of frozen and inference-only weights (``run.dtype``)."""
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        mixed = resolve_precision(precision, device) == "bf16-mixed"
+        return torch.bfloat16 if mixed else torch.float32
     return getattr(torch, dtype)
+
+
+def autocast(precision: str, device: torch.device):
+    """The forward-pass context of ``precision``: bfloat16 autocast for 'bf16-mixed' (cuda, or
+    cpu where torch supports it), nothing for 'fp32'."""
+    if resolve_precision(precision, device) == "bf16-mixed":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def setup(run_cfg) -> torch.device:

@@ -54,40 +54,131 @@ def scoring_batch(sequences: Sequence[Sequence[int]], action_masks: Sequence[Seq
     return ScoringBatch(input_ids, attention, action)
 
 
+def finalize_logits(model, logits: torch.Tensor) -> torch.Tensor:
+    """What the model's own forward does to the output head's result, for the architectures that
+    do anything: Cohere's ``logit_scale``, Granite's ``logits_scaling``, Gemma's
+    ``final_logit_softcapping``. Scoring computes the head itself (at action positions only, in
+    chunks), so it applies these here to give the forward's logits."""
+    config = model.config
+    scale = getattr(config, "logit_scale", None)
+    if scale is not None:
+        logits = logits * scale
+    scaling = getattr(config, "logits_scaling", None)
+    if scaling is not None:
+        logits = logits / scaling
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+class ActionScorer(torch.nn.Module):
+    """A causal LM's scoring pass as one module: embeddings (latents spliced over the sentinels
+    when given), the decoder, and the hidden states at the positions that predict action tokens.
+
+    All of the model's parameters are reached through this one ``forward``, so a wrapper around
+    it (DDP, FSDP) sees every use of them; the output head is applied by :class:`ActionLogits`.
+    """
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                action_mask: torch.Tensor, latents: torch.Tensor | None = None,
+                latent_id: int | None = None) -> torch.Tensor:
+        if latents is None:
+            inputs = {"input_ids": input_ids}
+        else:
+            inputs = {"inputs_embeds": splice_embeddings(self.model.get_input_embeddings(),
+                                                         input_ids, latents, latent_id)}
+        hidden = self.model.get_decoder()(**inputs, attention_mask=attention_mask).last_hidden_state
+        return hidden[:, :-1][action_mask[:, 1:]]
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of ``hidden`` states, exactly as the model's forward would give them."""
+        return finalize_logits(self.model, self.model.get_output_embeddings()(hidden))
+
+
+DEFAULT_CHUNK_TOKENS = 1024
+
+
 @dataclass
 class ActionLogits:
-    """Next-token logits at the positions that predict an action token, flattened over the batch."""
+    """A model's view of the action tokens of a batch: the hidden states that predict them and the
+    output head, flattened over the batch. Vocabulary-sized values are computed in chunks of
+    ``chunk_tokens`` tokens (:func:`per_token`), never for all tokens at once."""
 
-    logits: torch.Tensor
-    """(N, V) logits predicting each action token."""
+    hidden: torch.Tensor
+    """(N, d) last hidden states at the positions predicting each action token."""
     targets: torch.Tensor
     """(N,) the action tokens."""
     rows: torch.Tensor
     """(N,) the batch row each action token belongs to."""
+    scorer: ActionScorer
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """(N, V) logits, all at once: for inspection and tests; losses go through per_token."""
+        return self.scorer.head(self.hidden)
 
     def token_logprobs(self) -> torch.Tensor:
         """(N,) log-prob of each action token."""
-        return torch.log_softmax(self.logits.float(), dim=-1).gather(
-            -1, self.targets.unsqueeze(-1)).squeeze(-1)
+        (values,) = per_token(lambda lp, y: (lp.gather(-1, y.unsqueeze(-1)).squeeze(-1),), self)
+        return values
+
+
+def per_token(fn, *sides: ActionLogits, chunk_tokens: int | None = None) -> tuple[torch.Tensor, ...]:
+    """Per-token values of ``fn`` over the full-vocabulary log-probs of each side, chunk by chunk.
+
+    ``fn(*logprobs, targets)`` gets one (c, V) float32 log-prob tensor per side for a chunk of c
+    action tokens and returns a tuple of (c,) tensors; the results are concatenated over chunks.
+    When gradients are needed each chunk runs under activation checkpointing: its logits and
+    log-probs are recomputed in the backward pass instead of kept, so memory holds the (N, d)
+    hidden states and one chunk's (c, V) tensors, not (N, V) ones. All sides must score the same
+    tokens.
+    """
+    first = sides[0]
+    size = chunk_tokens if chunk_tokens is not None else first.chunk_tokens
+    n = first.targets.numel()
+    size = size or max(1, n)
+
+    def chunk(start: int, *hidden: torch.Tensor):
+        stop = start + hidden[0].size(0)
+        logprobs = [torch.log_softmax(side.scorer.head(h).float(), dim=-1)
+                    for side, h in zip(sides, hidden)]
+        return fn(*logprobs, first.targets[start:stop])
+
+    pieces = []
+    for start in range(0, n, size):
+        hidden = [side.hidden[start:start + size] for side in sides]
+        grads = torch.is_grad_enabled() and (
+            any(h.requires_grad for h in hidden)
+            or any(p.requires_grad for side in sides for p in side.scorer.parameters()))
+        if grads:
+            from torch.utils.checkpoint import checkpoint
+
+            pieces.append(checkpoint(chunk, start, *hidden, use_reentrant=False))
+        else:
+            pieces.append(chunk(start, *hidden))
+    if not pieces:
+        pieces.append(chunk(0, *[side.hidden[:0] for side in sides]))
+    return tuple(torch.cat(parts) for parts in zip(*pieces))
 
 
 def action_logits(model, batch: ScoringBatch, latents: torch.Tensor | None = None,
-                  latent_id: int | None = None) -> ActionLogits:
-    """Run ``model`` over ``batch`` (latents spliced over the sentinels when given) and keep the
-    logits that predict action tokens. The output head runs on those positions only: actions are
-    a small share of a transcript, so this saves most of the head's cost."""
-    if latents is None:
-        inputs = {"input_ids": batch.input_ids}
-    else:
-        inputs = {"inputs_embeds": splice_embeddings(model.get_input_embeddings(), batch.input_ids,
-                                                     latents, latent_id)}
-    hidden = model.get_decoder()(**inputs, attention_mask=batch.attention_mask).last_hidden_state
+                  latent_id: int | None = None,
+                  chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> ActionLogits:
+    """Score ``batch`` with ``model`` (latents spliced over the sentinels when given) at the
+    positions that predict action tokens. The output head runs on those positions only: actions
+    are a small share of a transcript, so this saves most of the head's cost."""
+    scorer = ActionScorer(model)
+    hidden = scorer(batch.input_ids, batch.attention_mask, batch.action_mask, latents, latent_id)
     predicts_action = batch.action_mask[:, 1:]
     rows = torch.arange(batch.input_ids.size(0), device=hidden.device)
     rows = rows.unsqueeze(1).expand_as(predicts_action)[predicts_action]
-    logits = model.get_output_embeddings()(hidden[:, :-1][predicts_action])
-    return ActionLogits(logits, batch.input_ids[:, 1:][predicts_action], rows)
-
+    return ActionLogits(hidden, batch.input_ids[:, 1:][predicts_action], rows, scorer, chunk_tokens)
 
 
 def teacher_pass(composer, rollouts, fmt: ReferenceFormat, latents: torch.Tensor | None = None,

@@ -59,10 +59,13 @@ class TrainContext:
     tokenizer: object
     device: torch.device
     dtype: torch.dtype
+    """Storage dtype of frozen weights (run.dtype); the student is float32."""
     env: object
     train_tasks: dict[str, Task]
     run_dir: Path
     student_updater: Updater
+    precision: str = "fp32"
+    """Concrete training precision: 'fp32' or 'bf16-mixed' (run.precision resolved)."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -178,7 +181,8 @@ class Trainer:
             write_config(self.cfg, self.run_dir / CONFIG_FILE)
 
         self.device = runtime.setup(cfg.run)
-        self.dtype = runtime.resolve_dtype(cfg.run.dtype, self.device)
+        self.precision = runtime.resolve_precision(cfg.run.precision, self.device)
+        self.dtype = runtime.resolve_dtype(cfg.run.dtype, self.device, self.precision)
         self.env = pipeline.get_env(cfg)
         self.train_tasks, self.eval_tasks = pipeline.held_out_tasks(cfg, self.env)
         train_tasks = self.train_tasks
@@ -186,7 +190,8 @@ class Trainer:
         updater = Updater(student.parameters(), cfg.train.learning_rate, cfg.train.max_grad_norm,
                           cfg.train.weight_decay)
         self.ctx = TrainContext(cfg, student, tokenizer, self.device, self.dtype, self.env,
-                                {t.task_id: t for t in train_tasks}, self.run_dir, updater)
+                                {t.task_id: t for t in train_tasks}, self.run_dir, updater,
+                                self.precision)
         self.algorithm = self.algorithm_cls(self.ctx, checkpoint)
         if cfg.train.rollouts_per_step % self.algorithm.group_size:
             raise ConfigError(f"train.rollouts_per_step={cfg.train.rollouts_per_step} must be a "
@@ -203,8 +208,15 @@ class Trainer:
         cfg = self.cfg
         source = checkpoint / "student" if checkpoint is not None and cfg.train.student == "full" \
             else cfg.model.name_or_path
-        model, tokenizer = models.load_model(source, device=self.device, dtype=self.dtype,
+        # The student trains: float32 weights and optimiser state in every precision mode.
+        model, tokenizer = models.load_model(source, device=self.device, dtype=torch.float32,
                                              trust_remote_code=cfg.model.trust_remote_code)
+        # <|latent|> only ever appears in the teacher's prompt: the student loss never trains it.
+        latent_id = tokenizer.convert_tokens_to_ids(models.LATENT_TOKEN)
+        if latent_id is not None and latent_id != tokenizer.unk_token_id:
+            models.freeze_token_rows(model, [latent_id])
+        if cfg.train.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if cfg.train.student == "lora":
             from peft import LoraConfig, get_peft_model
 
@@ -277,7 +289,7 @@ class Trainer:
 
     def rollouts(self, tasks: list[Task], temperature: float, seed: int | None) -> list[Rollout]:
         self.ctx.student.eval()
-        with torch.no_grad():
+        with torch.no_grad(), runtime.autocast(self.precision, self.device):
             return pipeline.run_episodes(self.cfg, self.env, tasks, self._policy(temperature, seed),
                                          self.ctx.tokenizer, progress=False)
 
@@ -285,10 +297,11 @@ class Trainer:
         """Greedy (rollout.eval_temperature) episodes on the held-out tasks."""
         start = time.perf_counter()
         self.ctx.student.eval()
-        summary, _ = pipeline.evaluate(self.cfg, self.env, self.eval_tasks,
-                                       self._policy(self.cfg.rollout.eval_temperature,
-                                                    step_seed(self.cfg.run.seed, -1)),
-                                       self.ctx.tokenizer, progress=False)
+        with runtime.autocast(self.precision, self.device):
+            summary, _ = pipeline.evaluate(self.cfg, self.env, self.eval_tasks,
+                                           self._policy(self.cfg.rollout.eval_temperature,
+                                                        step_seed(self.cfg.run.seed, -1)),
+                                           self.ctx.tokenizer, progress=False)
         record = {"step": step, "generations": self.generations,
                   "seconds": round(time.perf_counter() - start, 2), **summary}
         with (self.run_dir / EVAL_FILE).open("a") as f:

@@ -32,7 +32,8 @@ import torch
 
 from lopd.agent import Rollout
 from lopd.envs.environment import Task
-from lopd.teacher import ActionLogits, TeacherView, action_logits, scoring_batch
+from lopd.runtime import autocast
+from lopd.teacher import DEFAULT_CHUNK_TOKENS, ActionLogits, TeacherView, action_logits, scoring_batch
 
 
 @dataclass
@@ -171,6 +172,10 @@ class SharedStep:
     teacher: TeacherView | None = None
     student: torch.nn.Module | None = None
     micro_batch_size: int = 0
+    precision: str = "fp32"
+    """'fp32' or 'bf16-mixed': scoring and losses run under bf16 autocast in the latter."""
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    """Action tokens whose vocabulary-sized log-probs are computed at once (train.loss_chunk_tokens)."""
     passes: int = 1
     """Update passes over the same batch (GRPO's μ); each pass is a full micro-batched update."""
 
@@ -200,7 +205,7 @@ class SharedStep:
         if self.student is not None:
             batch = scoring_batch([r.input_ids for r in rollouts], [r.action_mask for r in rollouts],
                                   self.pad_id).to(self.device)
-            student = action_logits(self.student, batch)
+            student = action_logits(self.student, batch, chunk_tokens=self.chunk_tokens)
         state["_times"]["time/student_forward"] += time.perf_counter() - clock
         clock = time.perf_counter()
         teacher, extras = None, {}
@@ -216,6 +221,7 @@ class SharedStep:
                     cache[micro.index] = (teacher, extras)
             if student is not None and not torch.equal(student.targets, teacher.targets):
                 raise RuntimeError("teacher and student action tokens do not line up")
+            teacher.chunk_tokens = self.chunk_tokens
         state["_times"]["time/teacher"] += time.perf_counter() - clock
         return Scores(student, teacher, extras)
 
@@ -244,8 +250,9 @@ class SharedStep:
         loss_values: dict[str, float] = defaultdict(float)
         metrics: dict[str, float] = defaultdict(float)
         for micro in micro_batches(batch.rollouts, self.micro_batch_size):
-            scores = self.score(micro, state)
-            terms = self.loss(micro, scores, state, totals)
+            with autocast(self.precision, self.device):
+                scores = self.score(micro, state)
+                terms = self.loss(micro, scores, state, totals)
             unknown = set(terms.losses) - set(updaters)
             if unknown:
                 raise RuntimeError(f"{type(self).__name__}.loss returned losses for "
@@ -285,6 +292,8 @@ class Algorithm(SharedStep):
         self.device = ctx.device
         self.pad_id = ctx.tokenizer.pad_token_id
         self.micro_batch_size = ctx.cfg.train.per_device_train_batch_size
+        self.precision = ctx.precision
+        self.chunk_tokens = ctx.cfg.train.loss_chunk_tokens
 
     def updaters(self) -> dict[str, Updater]:
         return {"student": self.ctx.student_updater}

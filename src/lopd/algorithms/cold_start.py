@@ -54,8 +54,9 @@ class ColdStart(SharedStep):
     each success's retrieved experiences; the loss is its NLL of the success's action tokens,
     mean per trajectory, then over the batch. Only φ (LoRA ψ + compressor χ) learns."""
 
-    def __init__(self, composer: Composer, cfg, micro_batch_size: int = 0):
+    def __init__(self, composer: Composer, cfg, micro_batch_size: int = 0, precision: str = "fp32"):
         self.composer = composer
+        self.precision = precision
         self.teacher = LatentContext(composer, ReferenceFormat.for_tokenizer(composer.tokenizer))
         self.micro_batch_size = micro_batch_size
         self.device = composer.base.device
@@ -77,16 +78,18 @@ class ColdStart(SharedStep):
 
 
 def cold_start(composer: Composer, bank, successes: Sequence[Rollout], cfg, n_ret: int,
-               seed: int = 0, progress: bool = True, micro_batch_size: int = 0) -> list[dict]:
+               seed: int = 0, progress: bool = True, micro_batch_size: int = 0,
+               precision: str = "fp32") -> list[dict]:
     """Fit φ on ``successes`` (training-split rollouts); returns the per-step history.
 
     ``micro_batch_size`` splits each batch of ``cold_start.batch_size`` successes into passes of
-    that many (gradients accumulated; the same update).
+    that many (gradients accumulated; the same update); ``precision`` is 'fp32' or 'bf16-mixed'
+    (the composer's weights stay float32 either way).
     """
     if not successes:
         raise ValueError("cold start needs successful rollouts; build the bank first")
     traces = retrieve_traces(bank, successes, n_ret)
-    step_fn = ColdStart(composer, cfg, micro_batch_size)
+    step_fn = ColdStart(composer, cfg, micro_batch_size, precision)
     rng = random.Random(seed)
     order = list(range(len(successes)))
     steps_per_epoch = -(-len(order) // cfg.batch_size)

@@ -40,9 +40,9 @@ from lopd.algorithms.base import (Algorithm, LossTerms, MicroBatch, Panel, Score
                                   Updater)
 from lopd.composer import Composer
 from lopd.config import knob
-from lopd.experience import ExperienceBank, retrieve_traces
+from lopd.experience import retrieve_traces
 from lopd.latent import ReferenceFormat
-from lopd.teacher import LatentContext
+from lopd.teacher import LatentContext, per_token
 
 
 @dataclass
@@ -94,14 +94,12 @@ class LOPD(Algorithm):
             shutil.rmtree(cold_start, ignore_errors=True)
             shutil.copytree(self.spec.composer, cold_start)
             shutil.rmtree(bank_dir, ignore_errors=True)
-            with ExperienceBank.open(self.spec.bank, batch_size=cfg.bank.embed_batch_size,
-                                     device=ctx.device) as source:
+            with pipeline.open_bank(cfg, self.spec.bank, ctx.device) as source:
                 source.snapshot(bank_dir)
         else:
             shutil.rmtree(bank_dir, ignore_errors=True)
             shutil.copytree(checkpoint / self.BANK_DIR, bank_dir)
-        self.bank = ExperienceBank.open(bank_dir, batch_size=cfg.bank.embed_batch_size,
-                                        device=ctx.device)
+        self.bank = pipeline.open_bank(cfg, bank_dir, ctx.device)
         # The frozen base θ0: one copy serves the composer's encoder (adapter on) and the teacher.
         base, _ = pipeline.load_model(cfg, device=ctx.device)
         self.composer = Composer.load(cold_start, base, ctx.tokenizer)
@@ -129,20 +127,22 @@ class LOPD(Algorithm):
 
     def loss(self, micro: MicroBatch, scores: Scores, state: dict, totals: Totals) -> LossTerms:
         spec = self.spec
-        teacher_lp = torch.log_softmax(scores.teacher.logits.float(), dim=-1)
-        student_lp = torch.log_softmax(scores.student.logits.float(), dim=-1)
+
+        def terms(student_lp, teacher_lp, targets):
+            picked = targets.unsqueeze(-1)
+            return (losses.reverse_kl_top_m(student_lp, teacher_lp.detach(), spec.top_m),
+                    losses.reverse_kl_top_m(student_lp.detach(), teacher_lp, spec.top_m),
+                    teacher_lp.gather(-1, picked).squeeze(-1)
+                    - student_lp.detach().gather(-1, picked).squeeze(-1))
+
+        kl_student, kl_composer, gap_tokens = per_token(terms, scores.student, scores.teacher)
         tokens = totals.action_tokens
         share = len(micro.rollouts) / totals.rollouts
-        loss_student = losses.reverse_kl_top_m(student_lp, teacher_lp.detach(), spec.top_m).sum() / tokens
-
-        targets = scores.teacher.targets.unsqueeze(-1)
-        gap, counts = losses.per_row_mean(
-            teacher_lp.gather(-1, targets).squeeze(-1)
-            - student_lp.detach().gather(-1, targets).squeeze(-1),
-            scores.teacher.rows, len(micro.rollouts))
+        loss_student = kl_student.sum() / tokens
+        gap, counts = losses.per_row_mean(gap_tokens, scores.teacher.rows, len(micro.rollouts))
         weights = 2 * micro.take(state["rewards"]).to(gap.dtype) - 1
         delta = (weights * gap * (counts > 0)).sum() / max(1, totals.rollouts_with_actions)
-        composer_kl = losses.reverse_kl_top_m(student_lp.detach(), teacher_lp, spec.top_m).sum() / tokens
+        composer_kl = kl_composer.sum() / tokens
         anchor = losses.anchor_loss(scores.extras["latents"], scores.extras["anchor_latents"]) * share
         loss_composer = (composer_kl + self.beta * (spec.margin * share - delta)
                          + spec.anchor_weight * anchor)

@@ -1,9 +1,16 @@
-"""`lopd model new|info` and `lopd base`: build and inspect models."""
+"""`lopd model new|prepare|info` and `lopd base`: build, prepare and inspect models."""
 
 from __future__ import annotations
 
-from lopd.cli.common import JSON, add_command, add_env_arg, config_for_env, load
-from lopd.tables import key_value_table, write_json
+from lopd.cli.common import add_command, add_env_arg, config_for_env, load
+from lopd.tables import format_table, key_value_table, write_json
+
+
+def checks_table(checks: list[dict]) -> str:
+    """The chat-template checks of :func:`lopd.agent.check_chat_template` as a table."""
+    rows = [[c["check"], "ok" if c["ok"] else "FAIL" if c["required"] else "no", c["detail"]]
+            for c in checks]
+    return format_table(["chat template check", "result", "detail"], rows)
 
 
 def cmd_model_new(args) -> int:
@@ -18,11 +25,27 @@ def cmd_model_new(args) -> int:
     return 0
 
 
+def cmd_model_prepare(args) -> int:
+    from lopd import pipeline
+
+    figures = pipeline.prepare_model(load(args), args.source, args.out)
+    print(key_value_table({k: v for k, v in figures.items() if k != "checks"},
+                          title=f"prepared {figures['source']} -> {figures['out']}"))
+    print()
+    print(checks_table(figures["checks"]))
+    write_json(args.json_path, figures)
+    return 0
+
+
 def cmd_model_info(args) -> int:
     from lopd import models
 
-    info = models.model_info(args.path)
-    print(key_value_table(info, title=f"model {info['path']}"))
+    cfg = load(args)
+    info = models.model_info(args.path, trust_remote_code=cfg.model.trust_remote_code)
+    print(key_value_table({k: v for k, v in info.items() if k != "checks"},
+                          title=f"model {info['path']}"))
+    print()
+    print(checks_table(info["checks"]))
     write_json(args.json_path, info)
     return 0
 
@@ -49,8 +72,9 @@ def register(sub) -> None:
                    help="continue the training checkpointed in --out (same config; a run stopped "
                    "by base.time_limit_minutes continues where it stopped)")
 
-    model = sub.add_parser("model", help="build or inspect models",
-                           description="Build the tiny default model or inspect a model folder.")
+    model = sub.add_parser("model", help="build, prepare or inspect models",
+                           description="Build the tiny default model, prepare any Hugging Face "
+                           "causal LM for lopd, or inspect a model folder.")
     msub = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)
     p = add_command(msub, "new", cmd_model_new,
                     "train a tokenizer and build a random-initialised tiny model",
@@ -61,8 +85,21 @@ def register(sub) -> None:
     p.add_argument("--corpus", help="tokenizer corpus: .txt (one text per line) or .jsonl "
                    "('text' field); default: built-in synthetic tool-use transcripts")
 
+    p = add_command(msub, "prepare", cmd_model_prepare,
+                    "make any Hugging Face causal LM ready for lopd (<|latent|>, template checks)",
+                    "Load a Hugging Face model folder (--set model.trust_remote_code=true for "
+                    "models that ship their own code), add the <|latent|> sentinel if absent "
+                    "(a special token; embeddings resized, the new row the mean of the existing "
+                    "ones), make generation stop at the chat template's end-of-turn token, check "
+                    "that the template renders a system message with tools, a tool-call turn, a "
+                    "tool result and the reference block, and write the model and tokenizer to "
+                    "--out. Nothing is written when a check fails.")
+    p.add_argument("source", help="Hugging Face model folder (or an embedded model name)")
+    p.add_argument("--out", required=True, help="folder to write the prepared model to")
+
     p = add_command(msub, "info", cmd_model_info,
-                    "parameters, vocabulary, special tokens of a model folder",
+                    "parameters, vocabulary, <|latent|>, chat-template checks of a model folder",
                     "Print facts about a saved model: parameter count, shape, vocabulary, special "
-                    "tokens and whether a chat template is present.", shared=(JSON,))
+                    "tokens, whether <|latent|> is present and whether its chat template passes "
+                    "the checks lopd needs (those of `lopd model prepare`).")
     p.add_argument("path", help="model folder, or an embedded model name (toolworld-1m, ...)")

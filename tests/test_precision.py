@@ -1,0 +1,111 @@
+"""Training precision: float32 trainable weights under bf16 autocast actually move at lr 1e-5, pure
+bf16 weights mostly do not, and the composer trains in float32 on a bfloat16 base."""
+
+import copy
+
+import pytest
+import torch
+
+from lopd import agent, models, runtime, trainer
+from lopd.algorithms import get_algorithm
+from lopd.algorithms.base import StepBatch
+from lopd.composer import Composer
+from lopd.config import ComposerConfig, load_config
+
+
+def grpo_trainer(tmp_path, precision):
+    sets = ["env.train_size=20", "env.eval_size=2", "env.pretrain_size=0",
+            "train.rollouts_per_step=4", "train.eval_tasks=2", "train.learning_rate=1e-5",
+            "grpo.num_generations=2", "train.algorithm=grpo", f"run.precision={precision}"]
+    return trainer.Trainer(load_config("tiny", sets), tmp_path, get_algorithm("grpo"),
+                           progress=False)
+
+
+def gold_and_junk(t):
+    """Two groups, each a random (failing) rollout and the gold one: advantages ±1."""
+    pair = trainer.tasks_for_step(t.train_tasks, 0, 1, 2)
+    junk = agent.run_episodes(t.env, pair, agent.RandomPolicy(seed=0), t.ctx.tokenizer, 3, 48, 2)
+    gold = agent.run_episodes(t.env, pair, agent.OraclePolicy(), t.ctx.tokenizer, 8, 96, 2)
+    return StepBatch(1, [pair[0], pair[0], pair[1], pair[1]], [junk[0], gold[0], junk[1], gold[1]])
+
+
+def changed_share(before, params):
+    """Share of the elements with a non-zero gradient whose value changed."""
+    moved = total = 0
+    for old, p in zip(before, params):
+        touched = p.grad != 0
+        moved += int((old != p.detach())[touched].sum())
+        total += int(touched.sum())
+    assert total > 0
+    return moved / total
+
+
+def test_bf16_mixed_moves_every_weight_pure_bf16_does_not(tmp_path):
+    t = grpo_trainer(tmp_path / "run", "bf16-mixed")
+    student = t.ctx.student
+    assert t.precision == "bf16-mixed" and all(p.dtype == torch.float32 for p in student.parameters())
+    seen = []
+    hook = student.model.layers[0].mlp.down_proj.register_forward_hook(
+        lambda module, args, out: seen.append(out.dtype))
+    batch = gold_and_junk(t)
+    before = [p.detach().clone() for p in student.parameters()]
+    t.ctx.student.train()
+    figures = t.algorithm.step(batch)
+    hook.remove()
+    assert seen and all(d == torch.bfloat16 for d in seen)   # the forward ran under autocast
+    assert figures["student/skipped_updates"] == 0
+    assert changed_share(before, list(student.parameters())) >= 0.99
+
+    # The same gradients applied by plain AdamW to bfloat16 weights: most updates round away.
+    pure = copy.deepcopy(student).to(torch.bfloat16)
+    pure_params = list(pure.parameters())
+    for p, q, old in zip(pure_params, student.parameters(), before):
+        p.data.copy_(old.to(torch.bfloat16))
+        p.grad = q.grad.to(torch.bfloat16)
+    start = [p.detach().clone() for p in pure_params]
+    torch.optim.AdamW(pure_params, lr=1e-5, weight_decay=0.0).step()
+    assert changed_share(start, pure_params) < 0.5
+
+
+def test_the_cpu_default_stays_float32(tmp_path):
+    cpu = torch.device("cpu")
+    assert runtime.resolve_precision("auto", cpu) == "fp32"
+    assert runtime.resolve_dtype("auto", cpu, "auto") == torch.float32
+    assert runtime.resolve_precision("auto", torch.device("cuda")) == "bf16-mixed"
+    assert runtime.resolve_dtype("auto", torch.device("cuda"), "auto") == torch.bfloat16
+    assert runtime.resolve_dtype("auto", torch.device("cuda"), "fp32") == torch.float32
+    t = grpo_trainer(tmp_path / "run", "auto")
+    assert t.precision == "fp32" and t.dtype == torch.float32
+
+
+def test_the_composer_trains_in_float32_on_a_bfloat16_base():
+    base, tokenizer = models.load_model("toolworld-1m", dtype=torch.bfloat16)
+    composer = Composer(base.eval(), tokenizer, ComposerConfig(num_latents=4, depth=2))
+    trainable = composer.trainable_parameters()
+    assert trainable and all(p.dtype == torch.float32 for p in trainable)
+    assert all(p.dtype == torch.float32 for p in composer.compressor.parameters())
+    assert any("lora_" in n for n, p in composer.named_parameters() if p.requires_grad)
+    assert composer.base.get_input_embeddings().weight.dtype == torch.bfloat16
+    with runtime.autocast("bf16-mixed", torch.device("cpu")):
+        z = composer.encode(["Cancel order O1."], [["1. cancel_order -> ok", "1. a -> b"]])
+    assert z.shape == (1, 8, base.config.hidden_size) and torch.isfinite(z.float()).all()
+    z.float().pow(2).mean().backward()
+    grads = [p.grad for p in trainable if p.grad is not None]
+    assert grads and all(g.dtype == torch.float32 for g in grads)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_a_whole_lopd_training_step_runs_in_each_precision(tmp_path, precision):
+    from conftest import LOPD_SPEC as SPEC
+    from conftest import make_lopd_inputs
+
+    inputs = make_lopd_inputs(tmp_path / "inputs")
+    sets = ["env.train_size=40", "env.eval_size=2", "env.pretrain_size=0",
+            "train.rollouts_per_step=4", "train.eval_tasks=2", "train.max_steps=1",
+            "rollout.max_turns=3", "rollout.max_completion_length=48", "rollout.batch_size=4",
+            f"composer.num_latents={SPEC.num_latents}", f"composer.depth={SPEC.depth}",
+            f"composer.max_experience_tokens={SPEC.max_experience_tokens}", "bank.n_ret=2",
+            f"lopd.composer={inputs / 'composer'}", f"lopd.bank={inputs / 'bank'}",
+            f"run.precision={precision}"]
+    last = trainer.train(load_config("tiny", sets), tmp_path / "run", "lopd", progress=False)
+    assert last["step"] == 1 and last["kl"] >= 0 and last["student/skipped_updates"] == 0
