@@ -36,8 +36,8 @@ ASSETS = Path(__file__).parent / "assets"
 EMBEDDED = {name: ASSETS / name for name in ("toolworld-1m", "toolworld-1m-plain", "codeworld-1m")}
 EMBEDDED_DIR = EMBEDDED["toolworld-1m"]
 """Models shipped in the package: the toolworld base of the default (coded) setting, the first-stage
-toolworld base it was trained from (plain requests only), and the codeworld base (issue notes say
-why the two domains have separate tiny models)."""
+toolworld base it was trained from (plain requests only), and the codeworld base (each with a
+tokenizer trained on its own domain; docs/results/base-models.md)."""
 
 # ChatML, as Qwen uses it, with one change that matters for a 1M-parameter model: tools are listed
 # as one short signature line each instead of their full JSON schema, which keeps prompts short.
