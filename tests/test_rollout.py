@@ -126,3 +126,41 @@ def test_generate_keeps_training_mode_and_handles_empty(tiny_model, tiny_tokeniz
         assert tiny_model.training and isinstance(out[0], Generation)
     finally:
         tiny_model.eval()
+
+
+def test_rollout_engine_vllm_without_vllm_says_how_to_install(monkeypatch):
+    from lopd import pipeline
+    from lopd.config import ConfigError, RolloutConfig
+
+    monkeypatch.setattr(pipeline, "ENGINES", ("transformers",))
+    with pytest.raises(ConfigError, match=r"needs vLLM.*make test-vllm.*\[vllm\]"):
+        pipeline.check_engine(RolloutConfig(engine="vllm"))
+    pipeline.check_engine(RolloutConfig(engine="transformers"))
+
+
+def test_vllm_weights_of_plain_injected_and_peft_models(tiny_model):
+    """What the vLLM engine serves (lopd.rollout.vllm_engine.hf_weights, no vLLM needed): a plain
+    model's weights with the tied head; a bare model with an injected adapter as its base (the
+    composer's base acting with the adapter off); a PeftModel with its adapter merged in."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from lopd.rollout.vllm_engine import hf_weights
+
+    plain = hf_weights(tiny_model)
+    assert torch.equal(plain["lm_head.weight"], plain["model.embed_tokens.weight"])
+    base = copy.deepcopy(tiny_model)
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
+                                                 init_lora_weights=False))
+    injected = hf_weights(base)
+    assert injected.keys() == plain.keys()
+    assert all(torch.equal(injected[k], plain[k]) for k in plain)
+    merged = hf_weights(peft_model)
+    assert merged.keys() == plain.keys()
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(merged[q], plain[q])
+    layer = peft_model.base_model.model.model.layers[0].self_attn.q_proj
+    x = torch.randn(3, tiny_model.config.hidden_size)
+    with torch.no_grad():
+        assert torch.allclose(layer(x), x @ merged[q].T, atol=1e-5)

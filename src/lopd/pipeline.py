@@ -71,23 +71,50 @@ def read_provenance(*folders: str | Path) -> dict:
 # ----------------------------------------------------------------------------------------------
 # Engines and policies
 
-ENGINES = ("transformers",)
-"""Rollout engines that exist; ``rollout.engine`` accepts these and refuses any other."""
+def _engines() -> tuple[str, ...]:
+    from lopd.rollout.vllm_engine import vllm_available
+
+    return ("transformers", "vllm") if vllm_available() else ("transformers",)
+
+
+ENGINES = _engines()
+"""Rollout engines that exist here; ``rollout.engine`` accepts these and refuses any other
+("vllm" only where vLLM can be imported)."""
 
 
 def check_engine(rollout_cfg) -> None:
-    """Refuse, at start-up, a ``rollout.engine`` no engine implements."""
-    if rollout_cfg.engine not in ENGINES:
-        raise ConfigError(f"rollout.engine={rollout_cfg.engine!r} is not available: lopd has no "
-                          f"{rollout_cfg.engine} engine yet; available: {', '.join(ENGINES)}")
+    """Refuse, at start-up, a ``rollout.engine`` no engine implements (or whose library is
+    missing, saying how to install it)."""
+    if rollout_cfg.engine in ENGINES:
+        return
+    if rollout_cfg.engine == "vllm":
+        from lopd.rollout.vllm_engine import INSTALL_HINT
+
+        raise ConfigError(f"rollout.engine='vllm' needs vLLM, which is not installed here: "
+                          f"{INSTALL_HINT}; available: {', '.join(ENGINES)}")
+    raise ConfigError(f"rollout.engine={rollout_cfg.engine!r} is not available: lopd has no "
+                      f"{rollout_cfg.engine} engine yet; available: {', '.join(ENGINES)}")
 
 
 def make_engine(rollout_cfg, model, tokenizer):
-    """The rollout engine named by ``rollout.engine`` over ``model`` (kept resident)."""
+    """The rollout engine named by ``rollout.engine`` over ``model`` (kept resident). An engine
+    that holds its own copy of the weights (vLLM) must be told of every update of ``model``:
+    :func:`sync_engine` after each optimiser step."""
     check_engine(rollout_cfg)
+    if rollout_cfg.engine == "vllm":
+        from lopd.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model, tokenizer)
     from lopd.rollout import TransformersEngine
 
     return TransformersEngine(model, tokenizer)
+
+
+def sync_engine(engine, model) -> None:
+    """Make ``engine`` generate with ``model``'s current weights: call after every update of the
+    model it serves. A no-op for engines that generate from the model itself (transformers); vLLM
+    reloads the weights and clears its prefix cache (~0.03 s on the tiny model)."""
+    engine.sync_weights(model)
 
 
 def sampling(cfg: Config, temperature: float | None = None, seed: int | None = None):

