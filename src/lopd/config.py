@@ -125,6 +125,13 @@ class TrainConfig:
         "rollouts are split into micro-batches of this size and their gradients accumulated, "
         "weighted by tokens, so the update equals one pass over the whole step. 0 = the whole "
         "step in one pass. Lower it when a step does not fit in memory.", ge=0)
+    parallel: Literal["ddp", "fsdp2"] = knob(
+        "ddp", "How the student is spread over the processes of a torchrun launch (`torchrun "
+        "--nproc_per_node N -m lopd train ...`; ignored in one process): 'ddp' keeps a full copy "
+        "per process and all-reduces gradients; 'fsdp2' shards weights, gradients and optimiser "
+        "state (torch fully_shard per decoder layer and the root) for students too large to "
+        "replicate. Either way each process rolls out its share of the step's task groups and the "
+        "update equals one process's update on the whole batch.")
     max_steps: int = knob(50, "Training steps.", ge=1)
     eval_every: int = knob(10, "Evaluate on held-out tasks every this many steps (and at steps 0 "
                            "and max_steps).", ge=1)

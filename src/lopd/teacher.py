@@ -169,12 +169,18 @@ def per_token(fn, *sides: ActionLogits, chunk_tokens: int | None = None) -> tupl
 
 def action_logits(model, batch: ScoringBatch, latents: torch.Tensor | None = None,
                   latent_id: int | None = None,
-                  chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> ActionLogits:
+                  chunk_tokens: int = DEFAULT_CHUNK_TOKENS, scorer=None) -> ActionLogits:
     """Score ``batch`` with ``model`` (latents spliced over the sentinels when given) at the
     positions that predict action tokens. The output head runs on those positions only: actions
-    are a small share of a transcript, so this saves most of the head's cost."""
-    scorer = ActionScorer(model)
-    hidden = scorer(batch.input_ids, batch.attention_mask, batch.action_mask, latents, latent_id)
+    are a small share of a transcript, so this saves most of the head's cost.
+
+    ``scorer`` (a :class:`lopd.distributed.Wrapped` over ``model``) is the run's one wrapped
+    scoring module under DDP / FSDP2; without it a bare :class:`ActionScorer` is built."""
+    if scorer is not None:
+        module, scorer = scorer.module, scorer.scorer
+    else:
+        module = scorer = ActionScorer(model)
+    hidden = module(batch.input_ids, batch.attention_mask, batch.action_mask, latents, latent_id)
     predicts_action = batch.action_mask[:, 1:]
     rows = torch.arange(batch.input_ids.size(0), device=hidden.device)
     rows = rows.unsqueeze(1).expand_as(predicts_action)[predicts_action]

@@ -28,7 +28,7 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from lopd import models, pipeline, runtime
+from lopd import distributed, models, pipeline, runtime
 from lopd.agent import Rollout
 from lopd.algorithms.base import Panel, StepBatch, Updater
 from lopd.config import Config, ConfigError
@@ -39,6 +39,10 @@ METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"
 PLOT_FILE = "training.png"
 CHECKPOINTS = "checkpoints"
+OPTIMIZER_DIR = "student_optimizer"
+"""The student's optimiser state of a multi-process run (torch.distributed.checkpoint)."""
+RNG_DIR = "rng"
+"""Per-rank RNG states of a multi-process run."""
 _CHECKPOINT_RE = re.compile(r"^step-(\d{6})$")
 
 
@@ -66,6 +70,10 @@ class TrainContext:
     student_updater: Updater
     precision: str = "fp32"
     """Concrete training precision: 'fp32' or 'bf16-mixed' (run.precision resolved)."""
+    world: distributed.World = distributed.SINGLE
+    """The training processes (several under torchrun; see :mod:`lopd.distributed`)."""
+    wrapped: distributed.Wrapped | None = None
+    """The student's one wrapped scoring module (DDP / FSDP2) when there are several processes."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -176,27 +184,52 @@ class Trainer:
         checkpoint = found[-1] if self.resume else None
         cfg = self.cfg
         pipeline.check_engine(cfg.rollout)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        if not self.resume:
-            write_config(self.cfg, self.run_dir / CONFIG_FILE)
+        self.world, device = distributed.init(runtime.resolve_device(cfg.run.device),
+                                              cfg.train.parallel)
+        world = self.world
+        if world.enabled and world.parallel == "fsdp2" and cfg.train.student == "lora":
+            raise ConfigError("train.parallel=fsdp2 shards a full student; a LoRA student "
+                              "(train.student=lora) trains with train.parallel=ddp")
+        # Every rank has looked at the folder before rank 0 writes into it.
+        world.barrier()
+        if world.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            if not self.resume:
+                write_config(self.cfg, self.run_dir / CONFIG_FILE)
+        world.barrier()
 
-        self.device = runtime.setup(cfg.run)
+        runtime.setup(cfg.run)
+        self.device = device
         self.precision = runtime.resolve_precision(cfg.run.precision, self.device)
         self.dtype = runtime.resolve_dtype(cfg.run.dtype, self.device, self.precision)
         self.env = pipeline.get_env(cfg)
         self.train_tasks, self.eval_tasks = pipeline.held_out_tasks(cfg, self.env)
         train_tasks = self.train_tasks
         student, tokenizer = self._load_student(checkpoint)
+        # One wrapped scoring module for the whole run; the optimiser is built on the parameters
+        # it leaves (FSDP2 replaces them by sharded ones).
+        self.wrapped = distributed.wrap_student(student, world) if world.enabled else None
         updater = Updater(student.parameters(), cfg.train.learning_rate, cfg.train.max_grad_norm,
                           cfg.train.weight_decay)
+        if self.wrapped is not None:
+            updater.wrapped = True
+            if self.wrapped.parallel == "fsdp2" and self._frozen_rows:
+                masks = distributed.row_masks(student, self._frozen_rows)
+                updater.grad_filters.append(lambda: distributed.apply_row_masks(masks))
         self.ctx = TrainContext(cfg, student, tokenizer, self.device, self.dtype, self.env,
                                 {t.task_id: t for t in train_tasks}, self.run_dir, updater,
-                                self.precision)
+                                self.precision, world, self.wrapped)
         self.algorithm = self.algorithm_cls(self.ctx, checkpoint)
         if cfg.train.rollouts_per_step % self.algorithm.group_size:
             raise ConfigError(f"train.rollouts_per_step={cfg.train.rollouts_per_step} must be a "
                               f"multiple of {self.algorithm.name}'s group size "
                               f"{self.algorithm.group_size}")
+        n_tasks = cfg.train.rollouts_per_step // self.algorithm.group_size
+        if n_tasks % world.size:
+            raise ConfigError(f"train.rollouts_per_step={cfg.train.rollouts_per_step} is {n_tasks} "
+                              f"task groups of {self.algorithm.group_size}, which do not split "
+                              f"evenly over {world.size} processes: make the groups a multiple "
+                              f"of {world.size}")
         self.engine = pipeline.make_engine(cfg.rollout, student, tokenizer)
         self.start_step, self.generations = 0, 0
         if checkpoint is not None:
@@ -213,8 +246,10 @@ class Trainer:
                                              trust_remote_code=cfg.model.trust_remote_code)
         # <|latent|> only ever appears in the teacher's prompt: the student loss never trains it.
         latent_id = tokenizer.convert_tokens_to_ids(models.LATENT_TOKEN)
+        self._frozen_rows = []
         if latent_id is not None and latent_id != tokenizer.unk_token_id:
             models.freeze_token_rows(model, [latent_id])
+            self._frozen_rows = [latent_id]
         if cfg.train.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if cfg.train.student == "lora":
@@ -235,6 +270,14 @@ class Trainer:
 
     def _save_student(self, folder: Path) -> None:
         student, tokenizer = self.ctx.student, self.ctx.tokenizer
+        if self.wrapped is not None and self.wrapped.parallel == "fsdp2":
+            state = distributed.full_state_dict(self.wrapped, self.world)  # collective
+            if self.world.is_main:
+                student.save_pretrained(folder / "student", state_dict=state)
+                tokenizer.save_pretrained(folder / "student")
+            return
+        if not self.world.is_main:
+            return
         if self.cfg.train.student == "lora":
             import copy
 
@@ -250,36 +293,81 @@ class Trainer:
     # -- checkpoints --------------------------------------------------------------------------
 
     def save_checkpoint(self, step: int) -> Path:
-        """Write the checkpoint of ``step`` atomically: a temporary folder renamed when complete."""
+        """Write the checkpoint of ``step`` atomically: a temporary folder renamed when complete.
+
+        With several processes: rank 0 writes the HF student (from the full state dict), the
+        algorithm's artefacts and ``state.pt``; every rank writes its RNG state and its part of the
+        student's optimiser state (torch.distributed.checkpoint, sharded under FSDP2); the folder
+        is renamed by rank 0 after a barrier."""
+        world = self.world
         folder = self.run_dir / CHECKPOINTS
-        folder.mkdir(exist_ok=True)
         final = folder / f"step-{step:06d}"
         tmp = folder / f".step-{step:06d}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        if world.is_main:
+            folder.mkdir(exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        world.barrier()
         self._save_student(tmp)
-        self.algorithm.save(tmp)
-        torch.save({"step": step, "generations": self.generations,
-                    "student_updater": self.ctx.student_updater.state_dict(),
-                    "algorithm": self.algorithm.state_dict(), "rng": _rng_state()},
-                   tmp / "state.pt")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        for old in checkpoints(self.run_dir)[: -self.cfg.train.keep_checkpoints]:
-            shutil.rmtree(old)
+        updater = self.ctx.student_updater
+        if world.enabled:
+            distributed.save_optimizer(self.wrapped, updater.optimizer, tmp / OPTIMIZER_DIR)
+            (tmp / RNG_DIR).mkdir(exist_ok=True)
+            torch.save(_rng_state(), tmp / RNG_DIR / f"rank-{world.rank}.pt")
+        if world.is_main:
+            self.algorithm.save(tmp)
+            torch.save({"step": step, "generations": self.generations,
+                        "student_updater": updater.state_dict() if not world.enabled
+                        else {"skipped": updater.skipped},
+                        "algorithm": self.algorithm.state_dict(), "rng": _rng_state(),
+                        "world_size": world.size, "parallel": world.parallel},
+                       tmp / "state.pt")
+        world.barrier()
+        if world.is_main:
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            for old in checkpoints(self.run_dir)[: -self.cfg.train.keep_checkpoints]:
+                shutil.rmtree(old)
+        world.barrier()
         return final
 
     def _restore(self, checkpoint: Path) -> None:
+        import sys
+
+        world = self.world
         state = torch.load(checkpoint / "state.pt", weights_only=False)
-        self.ctx.student_updater.load_state_dict(state["student_updater"])
+        saved_world = state.get("world_size", 1)
+        updater = self.ctx.student_updater
+        if (checkpoint / OPTIMIZER_DIR).is_dir():
+            scorer = self.wrapped.scorer if self.wrapped is not None else None
+            if scorer is None:
+                from lopd.teacher import ActionScorer
+
+                scorer = ActionScorer(self.ctx.student)
+            distributed.load_optimizer(scorer, updater.optimizer, checkpoint / OPTIMIZER_DIR)
+            updater.skipped = state["student_updater"]["skipped"]
+        elif self.wrapped is not None and self.wrapped.parallel == "fsdp2":
+            raise RunError(f"{checkpoint} was written by one process (no sharded optimiser state); "
+                           "resume it with one process or with train.parallel=ddp")
+        else:
+            updater.load_state_dict(state["student_updater"])
         self.algorithm.load_state_dict(state["algorithm"])
-        _set_rng_state(state["rng"])
+        rng = checkpoint / RNG_DIR / f"rank-{world.rank}.pt"
+        _set_rng_state(torch.load(rng, weights_only=False) if rng.is_file() else state["rng"])
         self.start_step, self.generations = state["step"], state["generations"]
+        if saved_world != world.size and world.is_main:
+            print(f"note: {checkpoint} was written by {saved_world} process(es) and resumes on "
+                  f"{world.size}: weights, optimiser state, β and the bank are restored exactly, "
+                  f"but later steps sample their rollouts in {world.size} shard(s) instead of "
+                  f"{saved_world}, so they differ from an uninterrupted {saved_world}-process run",
+                  file=sys.stderr)
         # Records written after the checkpoint belong to steps that will run again.
-        for name in (METRICS_FILE, EVAL_FILE):
-            path = self.run_dir / name
-            _rewrite_jsonl(path, [r for r in read_jsonl(path) if r["step"] <= self.start_step])
+        if world.is_main:
+            for name in (METRICS_FILE, EVAL_FILE):
+                path = self.run_dir / name
+                _rewrite_jsonl(path, [r for r in read_jsonl(path) if r["step"] <= self.start_step])
+        world.barrier()
 
     # -- rollouts and evaluation --------------------------------------------------------------
 
@@ -289,7 +377,8 @@ class Trainer:
 
     def rollouts(self, tasks: list[Task], temperature: float, seed: int | None) -> list[Rollout]:
         self.ctx.student.eval()
-        with torch.no_grad(), runtime.autocast(self.precision, self.device):
+        with torch.no_grad(), distributed.generation(self.wrapped), \
+                runtime.autocast(self.precision, self.device):
             return pipeline.run_episodes(self.cfg, self.env, tasks, self._policy(temperature, seed),
                                          self.ctx.tokenizer, progress=False)
 
@@ -297,15 +386,26 @@ class Trainer:
         """Greedy (rollout.eval_temperature) episodes on the held-out tasks."""
         start = time.perf_counter()
         self.ctx.student.eval()
-        with runtime.autocast(self.precision, self.device):
-            summary, _ = pipeline.evaluate(self.cfg, self.env, self.eval_tasks,
-                                           self._policy(self.cfg.rollout.eval_temperature,
-                                                        step_seed(self.cfg.run.seed, -1)),
-                                           self.ctx.tokenizer, progress=False)
+        policy = self._policy(self.cfg.rollout.eval_temperature, step_seed(self.cfg.run.seed, -1))
+        if not self.world.enabled:
+            with runtime.autocast(self.precision, self.device):
+                summary, _ = pipeline.evaluate(self.cfg, self.env, self.eval_tasks, policy,
+                                               self.ctx.tokenizer, progress=False)
+        else:
+            # Each rank plays a contiguous share of the held-out tasks; the summary is of all.
+            from lopd.agent import summarize
+
+            with torch.no_grad(), distributed.generation(self.wrapped), \
+                    runtime.autocast(self.precision, self.device):
+                mine = pipeline.run_episodes(self.cfg, self.env,
+                                             self.world.shard(self.eval_tasks, even=False), policy,
+                                             self.ctx.tokenizer, progress=False)
+            summary = summarize(self.world.gather(mine))
         record = {"step": step, "generations": self.generations,
                   "seconds": round(time.perf_counter() - start, 2), **summary}
-        with (self.run_dir / EVAL_FILE).open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        if self.world.is_main:
+            with (self.run_dir / EVAL_FILE).open("a") as f:
+                f.write(json.dumps(record) + "\n")
         return {"eval/mean_reward": summary["mean_reward"],
                 "eval/success_rate": summary["success_rate"],
                 **{f"eval/{d}/success_rate": v["success_rate"]
@@ -317,31 +417,39 @@ class Trainer:
         from torch.utils.tensorboard import SummaryWriter
 
         cfg = self.cfg
+        world = self.world
         writer = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=self.start_step + 1
-                               if self.start_step else None)
+                               if self.start_step else None) if world.is_main else None
         n_tasks = cfg.train.rollouts_per_step // self.algorithm.group_size
         metrics_path = self.run_dir / METRICS_FILE
         if self.start_step == 0:
             record = {"step": 0, "generations": 0, **self.evaluate(0)}
             self._log(record, writer, metrics_path)
         bar = tqdm(total=cfg.train.max_steps, initial=self.start_step, desc=f"train {self.algorithm.name}",
-                   unit="step", disable=not self.progress)
+                   unit="step", disable=not self.progress or not world.is_main)
         last = {}
         for step in range(self.start_step + 1, cfg.train.max_steps + 1):
             seed = step_seed(cfg.run.seed, step)
             runtime.set_seed(seed)
             tasks = [t for t in tasks_for_step(self.train_tasks, cfg.run.seed, step, n_tasks)
                      for _ in range(self.algorithm.group_size)]
+            # Each rank rolls out its contiguous share of the step's task groups.
+            tasks = world.shard(tasks)
             started = time.perf_counter()
-            rollouts = self.rollouts(tasks, cfg.rollout.temperature, seed)
+            rollouts = self.rollouts(tasks, cfg.rollout.temperature,
+                                     distributed.shard_seed(seed, world.rank))
             rollout_seconds = time.perf_counter() - started
             self.ctx.student.train()
             figures = self.algorithm.step(StepBatch(step, tasks, rollouts))
-            self.generations += len(rollouts)
-            record = {"step": step, "generations": self.generations,
-                      "train/mean_reward": float(np.mean([r.reward for r in rollouts])),
-                      "train/success_rate": float(np.mean([r.success for r in rollouts])),
-                      "train/generated_tokens": sum(r.generated_tokens for r in rollouts),
+            self.generations += len(rollouts) * world.size
+            shares = world.mean({"train/mean_reward": float(np.mean([r.reward for r in rollouts])),
+                                 "train/success_rate": float(np.mean([r.success
+                                                                      for r in rollouts]))})
+            tokens = sum(r.generated_tokens for r in rollouts)
+            if world.enabled:
+                tokens = int(round(world.sum({"tokens": tokens})["tokens"]))
+            record = {"step": step, "generations": self.generations, **shares,
+                      "train/generated_tokens": tokens,
                       "time/rollout": rollout_seconds, **figures,
                       "time/step": time.perf_counter() - started,
                       "student/skipped_updates": self.ctx.student_updater.skipped,
@@ -357,11 +465,14 @@ class Trainer:
                      "delta": "delta"}
             bar.set_postfix({name: f"{record[k]:.3f}" for k, name in shown.items() if k in record})
         bar.close()
-        writer.close()
-        self.plot()
+        if world.is_main:
+            writer.close()
+            self.plot()
         return last
 
     def _log(self, record: dict, writer, path: Path) -> None:
+        if writer is None:  # not rank 0
+            return
         with path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         for key, value in record.items():
@@ -414,4 +525,7 @@ def train(cfg: Config, run_dir: str | Path, algorithm: str, resume: bool = False
     from lopd.algorithms import get_algorithm
 
     trainer = Trainer(cfg, Path(run_dir), get_algorithm(algorithm), resume=resume, progress=progress)
-    return trainer.run()
+    try:
+        return trainer.run()
+    finally:
+        trainer.world.close(trainer.wrapped)

@@ -20,6 +20,7 @@ micro-batch size gives the same update as one pass over the whole step.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from abc import abstractmethod
 from collections import defaultdict
@@ -32,6 +33,7 @@ import torch
 
 from lopd.agent import Rollout
 from lopd.envs.environment import Task
+from lopd.distributed import SINGLE
 from lopd.runtime import autocast
 from lopd.teacher import DEFAULT_CHUNK_TOKENS, ActionLogits, TeacherView, action_logits, scoring_batch
 
@@ -125,13 +127,22 @@ class Updater:
         self.optimizer = torch.optim.AdamW(self.params, lr=learning_rate, weight_decay=weight_decay)
         self.max_grad_norm = max_grad_norm
         self.skipped = 0
+        self.wrapped = False
+        """True when a DDP / FSDP2 wrapper synchronises these gradients in backward; otherwise the
+        distributed step sums them over ranks itself (:meth:`lopd.distributed.World.sum_grads`)."""
+        self.grad_filters: list = []
+        """Callables run on the synchronised gradients before clipping (FSDP2's frozen rows)."""
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
     def finish(self, loss: float) -> dict[str, float]:
         """Clip the accumulated gradient and step, unless ``loss`` or the norm is not finite."""
+        for fn in self.grad_filters:
+            fn()
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
+            norm = norm.full_tensor()
         if not (torch.isfinite(norm) and torch.isfinite(torch.tensor(loss))):
             self.zero_grad()
             self.skipped += 1
@@ -178,6 +189,10 @@ class SharedStep:
     """Action tokens whose vocabulary-sized log-probs are computed at once (train.loss_chunk_tokens)."""
     passes: int = 1
     """Update passes over the same batch (GRPO's μ); each pass is a full micro-batched update."""
+    world = SINGLE
+    """The training processes (:mod:`lopd.distributed`); one process unless torchrun started more."""
+    wrapped = None
+    """The student's wrapped scoring module (:class:`lopd.distributed.Wrapped`) under DDP / FSDP2."""
 
     def updaters(self) -> dict[str, Updater]:
         raise NotImplementedError
@@ -205,7 +220,8 @@ class SharedStep:
         if self.student is not None:
             batch = scoring_batch([r.input_ids for r in rollouts], [r.action_mask for r in rollouts],
                                   self.pad_id).to(self.device)
-            student = action_logits(self.student, batch, chunk_tokens=self.chunk_tokens)
+            student = action_logits(self.student, batch, chunk_tokens=self.chunk_tokens,
+                                    scorer=self.wrapped)
         state["_times"]["time/student_forward"] += time.perf_counter() - clock
         clock = time.perf_counter()
         teacher, extras = None, {}
@@ -232,12 +248,17 @@ class SharedStep:
         times = state["_times"] = defaultdict(float)
         times["time/before_step"] = time.perf_counter() - clock
         totals = Totals.of(batch.rollouts)
+        if self.world.enabled:
+            # Every rank divides by the global batch's totals (its rollouts are a shard of it).
+            totals = Totals(**{k: int(round(v)) for k, v in self.world.sum(vars(totals)).items()})
         updaters = self.updaters()
         figures: dict[str, float] = {}
         for state["pass"] in range(self.passes):
             figures = self._update(batch, state, totals, updaters)
         clock = time.perf_counter()
-        figures.update(self.after_update(batch, state, figures))
+        after = self.after_update(batch, state, figures)
+        # Identical figures stay identical; per-rollout means of equal shards become global means.
+        figures.update(self.world.mean(after) if self.world.enabled else after)
         times["time/after_update"] = time.perf_counter() - clock
         micro = self.micro_batch_size or len(batch.rollouts)
         return {**figures, "action_tokens": totals.action_tokens,
@@ -249,7 +270,9 @@ class SharedStep:
             updater.zero_grad()
         loss_values: dict[str, float] = defaultdict(float)
         metrics: dict[str, float] = defaultdict(float)
-        for micro in micro_batches(batch.rollouts, self.micro_batch_size):
+        micros = micro_batches(batch.rollouts, self.micro_batch_size)
+        world = self.world
+        for micro in micros:
             with autocast(self.precision, self.device):
                 scores = self.score(micro, state)
                 terms = self.loss(micro, scores, state, totals)
@@ -258,15 +281,27 @@ class SharedStep:
                 raise RuntimeError(f"{type(self).__name__}.loss returned losses for "
                                    f"{sorted(unknown)}, which have no optimiser")
             clock = time.perf_counter()
-            graph = [t for t in terms.losses.values() if t.requires_grad]
+            # A wrapper averages its gradients over ranks: scale its loss so that they sum.
+            graph = [t * world.grad_scale if world.enabled and updaters[name].wrapped else t
+                     for name, t in terms.losses.items() if t.requires_grad]
             if graph:
-                torch.stack([t.reshape(()) for t in graph]).sum().backward()
+                sync = self.wrapped.no_sync(micro is not micros[-1]) if self.wrapped is not None \
+                    else contextlib.nullcontext()
+                with sync:
+                    torch.stack([t.reshape(()) for t in graph]).sum().backward()
             state["_times"]["time/backward"] += time.perf_counter() - clock
             for name, value in terms.losses.items():
                 loss_values[name] += value.item()
             for name, value in terms.metrics.items():
                 metrics[name] += float(value)
         clock = time.perf_counter()
+        if world.enabled:
+            # Shares of the global figures: their sums over ranks are the step's figures.
+            metrics = world.sum(metrics)
+            loss_values = defaultdict(float, world.sum(loss_values))
+            for updater in updaters.values():
+                if not updater.wrapped:
+                    world.sum_grads(updater.params)
         figures = dict(metrics)
         for name, updater in updaters.items():
             result = updater.finish(loss_values[name])
@@ -294,6 +329,8 @@ class Algorithm(SharedStep):
         self.micro_batch_size = ctx.cfg.train.per_device_train_batch_size
         self.precision = ctx.precision
         self.chunk_tokens = ctx.cfg.train.loss_chunk_tokens
+        self.world = getattr(ctx, "world", SINGLE)
+        self.wrapped = getattr(ctx, "wrapped", None)
 
     def updaters(self) -> dict[str, Updater]:
         return {"student": self.ctx.student_updater}

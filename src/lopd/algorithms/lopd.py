@@ -84,6 +84,7 @@ class LOPD(Algorithm):
         # and the bank it grows, so a run folder resumes without the original paths.
         cold_start = run_dir / self.COLD_START_DIR
         bank_dir = run_dir / self.BANK_DIR
+        world = self.world
         if checkpoint is None:
             if not self.spec.composer or not self.spec.bank:
                 raise ValueError("LOPD needs a cold-started composer and a bank: pass --composer "
@@ -91,14 +92,26 @@ class LOPD(Algorithm):
             for path, what in ((self.spec.composer, "composer"), (self.spec.bank, "bank")):
                 if not Path(path).exists():
                     raise FileNotFoundError(f"lopd.{what}: {path} does not exist")
-            shutil.rmtree(cold_start, ignore_errors=True)
-            shutil.copytree(self.spec.composer, cold_start)
+        if not world.is_main:
+            # Several processes: every rank keeps its own replica of the bank and adds the same
+            # all-gathered successes to it (after_update), so the replicas stay identical without
+            # sharing database files; rank 0's is the run's bank, the one checkpoints hold.
+            import atexit
+            import tempfile
+
+            bank_dir = Path(tempfile.mkdtemp(prefix=f"lopd-bank-rank{world.rank}-")) / "bank"
+            atexit.register(shutil.rmtree, bank_dir.parent, True)
+        if checkpoint is None:
+            if world.is_main:
+                shutil.rmtree(cold_start, ignore_errors=True)
+                shutil.copytree(self.spec.composer, cold_start)
             shutil.rmtree(bank_dir, ignore_errors=True)
             with pipeline.open_bank(cfg, self.spec.bank, ctx.device) as source:
                 source.snapshot(bank_dir)
         else:
             shutil.rmtree(bank_dir, ignore_errors=True)
             shutil.copytree(checkpoint / self.BANK_DIR, bank_dir)
+        world.barrier()  # rank 0 has copied the cold-start composer
         self.bank = pipeline.open_bank(cfg, bank_dir, ctx.device)
         # The frozen base θ0: one copy serves the composer's encoder (adapter on) and the teacher.
         base, _ = pipeline.load_model(cfg, device=ctx.device)
@@ -157,8 +170,10 @@ class LOPD(Algorithm):
         self.beta = losses.dual_update(self.beta, spec.margin, figures["delta"], spec.dual_lr)
         added = 0
         if spec.add_successes:
-            result = self.bank.add_rollouts([r for r in batch.rollouts if r.success],
-                                            self.ctx.train_tasks, source=f"lopd-step-{batch.step}")
+            # Every rank adds the successes of the whole step, in rank order (= one process's order).
+            successes = self.world.gather([r for r in batch.rollouts if r.success])
+            result = self.bank.add_rollouts(successes, self.ctx.train_tasks,
+                                            source=f"lopd-step-{batch.step}")
             added = len(result.added)
         return {"margin": spec.margin, "beta": beta_used, "beta_next": self.beta,
                 "bank/added": added, "bank/size": len(self.bank)}

@@ -28,6 +28,10 @@ def cmd_train(args) -> int:
         cfg = load_config(args.config, [f"train.algorithm={args.algo}", *lopd_input_overrides(args)])
     algo = cfg.train.algorithm
     last = pipeline.train(cfg, run_dir, algo, resume=bool(args.resume))
+    import os
+
+    if int(os.environ.get("RANK", "0")) != 0:  # torchrun: rank 0 reports for every process
+        return 0
     figures = {k: v for k, v in last.items() if not k.startswith(("time/", "memory/"))}
     print(key_value_table(figures, title=f"{algo} -> {run_dir} (plots: {run_dir / trainer.PLOT_FILE})"))
     write_json(args.json_path, last)
