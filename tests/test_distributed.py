@@ -2,7 +2,6 @@
 and LOPD), a killed 2-process run resumes exactly, and two torchrun agents (two "nodes" on
 localhost) train together."""
 
-import json
 import os
 import signal
 import socket
@@ -60,7 +59,7 @@ def torchrun(*args, nproc=2, extra=()):
             *extra, "-m", "lopd", "train", *args]
 
 
-def standalone(nproc=2):
+def standalone():
     return ("--nnodes", "1", "--master_addr", "127.0.0.1", "--master_port", str(free_port()))
 
 
