@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from lopd import agent, models, runtime, trainer
+from lopd import agent, distributed, models, pipeline, runtime, trainer
 from lopd.algorithms import get_algorithm
 from lopd.algorithms.base import StepBatch
 from lopd.composer import Composer
@@ -81,6 +81,28 @@ def batch_of(env, tasks, tokenizer, per_task: int) -> tuple[list, list]:
     return order, rollouts
 
 
+def generation_throughput(t, rollouts, new_tokens: int) -> dict:
+    """Tokens/s of the run's rollout engine (``rollout.engine``) sampling ``new_tokens`` tokens
+    after each rollout's first prompt, all in one batch (the student under its training wrapper:
+    FSDP2 unshards it for the duration)."""
+    from lopd.rollout import SamplingParams
+
+    prompts = [r.input_ids[:r.prompt_length] for r in rollouts]
+    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=0)
+    t.ctx.student.eval()
+    if t.device.type == "cuda":
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    with torch.no_grad(), runtime.autocast(t.precision, t.device), \
+            distributed.generation(t.wrapped):
+        out = t.engine.generate(prompts, params)
+    if t.device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    tokens = sum(len(g.token_ids) for g in out)
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds}
+
+
 def run(args) -> dict:
     torch.set_num_threads(args.threads)
     device = runtime.resolve_device(args.device)
@@ -115,7 +137,8 @@ def run(args) -> dict:
             "env.train_size=64", "env.eval_size=4", "env.pretrain_size=0", "train.eval_tasks=4",
             f"composer.num_latents={args.latents}", f"composer.num_heads={args.composer_heads}",
             f"lopd.composer={work / 'composer'}", f"lopd.bank={work / 'bank'}",
-            "lopd.add_successes=false", f"run.num_threads={args.threads}"]
+            "lopd.add_successes=false", f"run.num_threads={args.threads}",
+            f"train.parallel={args.parallel}", f"rollout.engine={args.engine}"]
     base, _ = models.load_model(work / "model", device=device,
                                 dtype=runtime.resolve_dtype("auto", device, precision))
     torch.manual_seed(0)
@@ -127,6 +150,8 @@ def run(args) -> dict:
         cfg = load_config("tiny", [*sets, f"train.algorithm={algo}"])
         t = trainer.Trainer(cfg, work / f"run-{algo}", get_algorithm(algo), progress=False)
         batch = StepBatch(1, order, rollouts)
+        if algo == "grpo":
+            generation = generation_throughput(t, rollouts, args.new_tokens)
         t.ctx.student.train()
         for _ in range(args.steps):
             if device.type == "cuda":
@@ -135,6 +160,7 @@ def run(args) -> dict:
             started = time.perf_counter()
             with PeakRSS() as rss:
                 figures = t.algorithm.step(batch)
+            pipeline.sync_engine(t.engine, t.ctx.student)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - started
@@ -156,7 +182,8 @@ def run(args) -> dict:
             "precision": precision, "rollouts": len(rollouts), "tokens": real_tokens,
             "action_tokens": action_tokens, "micro_batch": args.micro_batch,
             "loss_chunk_tokens": args.loss_chunk_tokens, "vocab_size": reduce.get("vocab_size"),
-            "model_build_seconds": round(build_seconds, 1), "peak_tflops": peak, **results}
+            "model_build_seconds": round(build_seconds, 1), "peak_tflops": peak,
+            "parallel": args.parallel, "engine": args.engine, "generation": generation, **results}
 
 
 def main() -> None:
@@ -174,6 +201,12 @@ def main() -> None:
     parser.add_argument("--composer-heads", type=int, default=4)
     parser.add_argument("--steps", type=int, default=2, help="steps per method; the last is reported")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--engine", default="transformers", choices=["transformers", "vllm"],
+                        help="rollout.engine for the generation throughput and weight pushes")
+    parser.add_argument("--parallel", default="ddp", choices=["ddp", "fsdp2"],
+                        help="train.parallel; takes effect under torchrun (one process is enough)")
+    parser.add_argument("--new-tokens", type=int, default=64,
+                        help="tokens sampled per prompt for the generation throughput")
     parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16-mixed"])
     parser.add_argument("--peak-tflops", type=float, help="the device's peak, for MFU")
     parser.add_argument("--threads", type=int, default=1)
@@ -187,13 +220,14 @@ def main() -> None:
              ["peak step memory GiB", *(round(out[a]["peak_memory_gb"], 2) for a in ("grpo", "lopd"))],
              ["student update TFLOP/s", *(round(out[a]["student_update_tflops"], 3)
                                           for a in ("grpo", "lopd"))]]
+    rows.append(["generation tokens/s", round(out["generation"]["tokens_per_second"]), ""])
     if out["peak_tflops"]:
         rows.append(["MFU (student update)", *(f"{out[a]['mfu']:.1%}" for a in ("grpo", "lopd"))])
     print(format_table(["phase (s)", "GRPO", "LOPD"], rows,
                        title=f"{out['architecture']} ({out['parameters']:,} parameters) on "
                        f"{out['device_name']}, {out['precision']}, {out['rollouts']} rollouts, "
                        f"{out['tokens']} tokens ({out['action_tokens']} action), micro-batch "
-                       f"{out['micro_batch']}"))
+                       f"{out['micro_batch']}, engine {out['engine']}, {out['parallel']}"))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
 

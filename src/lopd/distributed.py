@@ -149,8 +149,9 @@ SINGLE = World()
 
 
 def launched() -> bool:
-    """True when torchrun started this process as one of several."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    """True when torchrun started this process (one of several, or one alone: a 1-process torchrun
+    still wraps the student, e.g. FSDP2 on one GPU)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def init(device: torch.device, parallel: str = "ddp") -> tuple[World, torch.device]:
