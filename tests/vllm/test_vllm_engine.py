@@ -170,3 +170,31 @@ def test_seeded_sampling_of_a_batch_larger_than_one_prefill_step(setup, eval_tas
     params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=5)
     first = engine.generate(prompts, params)
     assert [g.token_ids for g in first] == [g.token_ids for g in engine.generate(prompts, params)]
+
+
+def test_the_trainer_pushes_a_grpo_update_into_the_engine(setup, eval_tasks, tmp_path):
+    """One GRPO step of the real trainer with rollout.engine=vllm: the rollouts come from vLLM,
+    the update is pushed, and the engine then samples from the updated student."""
+    from lopd import trainer
+    from lopd.algorithms import get_algorithm
+
+    setup[2].close()   # one in-process vLLM engine at a time
+    cfg = load_config("tiny", ["env.train_size=20", "env.eval_size=2", "env.pretrain_size=0",
+                               "train.rollouts_per_step=8", "train.eval_tasks=2",
+                               "train.max_steps=1", "rollout.max_turns=3",
+                               "rollout.max_completion_length=48", "train.algorithm=grpo",
+                               "grpo.num_generations=4", "train.learning_rate=1e-3",
+                               "rollout.engine=vllm"])
+    t = trainer.Trainer(cfg, tmp_path / "run", get_algorithm("grpo"), progress=False)
+    assert isinstance(t.engine, VLLMEngine)
+    before = copy.deepcopy(t.ctx.student).eval()
+    last = t.run()
+    assert last["step"] == 1 and last["action_tokens"] > 0
+    student = t.ctx.student.eval()
+    assert (student.lm_head.weight - before.lm_head.weight).abs().max() > 1e-5
+    _, tasks = eval_tasks
+    prompts = [t.ctx.tokenizer(task.instruction)["input_ids"] for task in tasks[:8]]
+    out = t.engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=24, seed=4))
+    for prompt, gen in zip(prompts, out):
+        assert max_gap(gen.logprobs, teacher_forced(student, prompt, gen.token_ids)) < 1e-4
+    t.engine.close()
