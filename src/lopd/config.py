@@ -437,6 +437,16 @@ def _check_range(value: Any, meta: typing.Mapping[str, Any], key: str) -> None:
             raise ConfigError(f"{key}: got {value!r}; allowed values are {allowed}")
 
 
+def _check_keys(data: typing.Mapping[str, Any], allowed: list[str], prefix: str, where: str) -> None:
+    """A ConfigError naming the first key of ``data`` not in ``allowed``, with the closest match."""
+    for key in data:
+        if key not in allowed:
+            close = difflib.get_close_matches(str(key), allowed, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"unknown key '{prefix}{key}'{hint}; allowed keys in {where}: "
+                              + ", ".join(allowed))
+
+
 def from_dict(cls: type, data: typing.Mapping[str, Any] | None, prefix: str = "") -> Any:
     """Build dataclass ``cls`` from nested plain data, checking keys, types and ranges."""
     data = {} if data is None else data
@@ -447,12 +457,7 @@ def from_dict(cls: type, data: typing.Mapping[str, Any] | None, prefix: str = ""
         return _config_from_dict(data)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
-    for key in data:
-        if key not in fields:
-            close = difflib.get_close_matches(str(key), fields, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            raise ConfigError(f"unknown key '{prefix}{key}'{hint}; allowed keys in {where}: "
-                              + ", ".join(fields))
+    _check_keys(data, list(fields), prefix, where)
     kwargs = {}
     for name, f in fields.items():
         if name not in data:
@@ -472,13 +477,7 @@ def _config_from_dict(data: typing.Mapping[str, Any]) -> Config:
     from lopd.algorithms import algorithm_names
 
     sections = _method_sections()
-    allowed = [*core_sections(), *sections]
-    for key in data:
-        if key not in allowed:
-            close = difflib.get_close_matches(str(key), allowed, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            raise ConfigError(f"unknown key '{key}'{hint}; allowed keys in the top level: "
-                              + ", ".join(allowed))
+    _check_keys(data, [*core_sections(), *sections], "", "the top level")
     hints = typing.get_type_hints(Config)
     kwargs = {name: from_dict(hints[name], data[name], f"{name}.") for name in core_sections()
               if name in data}

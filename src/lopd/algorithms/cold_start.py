@@ -28,7 +28,7 @@ from lopd.composer import Composer
 from lopd.experience import random_traces, retrieve_traces
 from lopd.latent import ReferenceFormat
 from lopd.losses import per_row_mean
-from lopd.teacher import LatentContext, teacher_pass
+from lopd.teacher import LatentContext, TextContext, teacher_pass
 
 
 def teacher_nll(composer: Composer, rollouts: Sequence[Rollout], fmt: ReferenceFormat,
@@ -38,14 +38,13 @@ def teacher_nll(composer: Composer, rollouts: Sequence[Rollout], fmt: ReferenceF
     ``mode``: ``"none"`` (no reference), ``"latent"`` (composed latents of ``traces``) or
     ``"text"`` (the traces themselves as text in the reference block).
     """
-    latents = blocks = None
-    if mode == "latent":
-        latents = composer.encode([r.instruction for r in rollouts], [list(t) for t in traces])
-    elif mode == "text":
-        blocks = [fmt.text_block(composer.tokenizer, t) for t in traces]
-    elif mode != "none":
+    views = {"latent": LatentContext, "text": TextContext}
+    if mode == "none":
+        scored = teacher_pass(composer, rollouts, fmt)
+    elif mode in views:
+        scored, _ = views[mode](composer, fmt).score(rollouts, traces)
+    else:
         raise ValueError(f"unknown reference mode {mode!r}; modes: none, latent, text")
-    scored = teacher_pass(composer, rollouts, fmt, latents=latents, blocks=blocks)
     return per_row_mean(-scored.token_logprobs(), scored.rows, len(rollouts))[0]
 
 

@@ -68,6 +68,12 @@ class Generation:
     """True when a stop token ended the generation; False when it ran into ``max_new_tokens``."""
 
 
+def check_prompts(prompts: list[list[int]]) -> None:
+    """The prompt contract of :meth:`RolloutEngine.generate`: every prompt holds a token."""
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+
+
 class RolloutEngine(ABC):
     """Generates continuations of token-id prompts, batched."""
 

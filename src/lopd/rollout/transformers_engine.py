@@ -17,7 +17,7 @@ from transformers import DynamicCache
 
 from lopd.latent import splice_embeddings
 from lopd.models import IM_END, LATENT_TOKEN
-from lopd.rollout.engine import Generation, RolloutEngine, SamplingParams
+from lopd.rollout.engine import Generation, RolloutEngine, SamplingParams, check_prompts
 
 
 def default_stop_token_ids(model, tokenizer) -> frozenset[int]:
@@ -97,8 +97,7 @@ class TransformersEngine(RolloutEngine):
                  latents: torch.Tensor | None = None) -> list[Generation]:
         if not prompts:
             return []
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
+        check_prompts(prompts)
         was_training = self.model.training
         self.model.eval()
         try:

