@@ -6,8 +6,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from conftest import LOPD_SPEC as SPEC
-from conftest import make_lopd_inputs
+from conftest import lopd_config, make_lopd_inputs
 from lopd import agent, trainer
 from lopd.algorithms import algorithm_names, get_algorithm, register, unregister
 from lopd.algorithms.base import Algorithm, LossTerms, StepBatch, micro_batches
@@ -21,15 +20,10 @@ def inputs(tmp_path_factory):
 
 
 def config(inputs, **sets):
-    values = {"env.train_size": 40, "env.eval_size": 4, "env.pretrain_size": 0,
-              "train.rollouts_per_step": 6, "train.eval_tasks": 2, "train.max_steps": 2,
-              "rollout.max_turns": 3, "rollout.max_completion_length": 48,
-              "rollout.batch_size": 6, "composer.num_latents": SPEC.num_latents,
-              "composer.depth": SPEC.depth, "composer.max_experience_tokens": SPEC.max_experience_tokens,
-              "bank.n_ret": 2, "lopd.composer": str(inputs / "composer"),
-              "lopd.bank": str(inputs / "bank"), "lopd.add_successes": False,
-              "train.learning_rate": 1e-3, "lopd.composer_learning_rate": 1e-3, **sets}
-    return load_config("tiny", [f"{k}={v}" for k, v in values.items()])
+    return lopd_config(inputs, **{"train.rollouts_per_step": 6, "train.max_steps": 2,
+                                  "rollout.batch_size": 6, "lopd.add_successes": False,
+                                  "train.learning_rate": 1e-3,
+                                  "lopd.composer_learning_rate": 1e-3, **sets})
 
 
 def mixed_batch(t, n_tasks):

@@ -12,12 +12,10 @@ import pytest
 import torch
 import yaml
 
-from conftest import LOPD_SPEC as SPEC
-from conftest import make_lopd_inputs
+from conftest import lopd_config, make_lopd_inputs
 from lopd import agent, models, trainer
 from lopd.algorithms.base import StepBatch
 from lopd.composer import Composer
-from lopd.config import load_config
 
 
 @pytest.fixture(scope="module")
@@ -26,15 +24,7 @@ def inputs(tmp_path_factory):
 
 
 def config(inputs, **sets):
-    values = {"env.train_size": 40, "env.eval_size": 4, "env.pretrain_size": 0,
-              "train.rollouts_per_step": 4, "train.eval_tasks": 2, "train.max_steps": 4,
-              "train.eval_every": 2, "train.save_every": 2, "rollout.max_turns": 3,
-              "rollout.max_completion_length": 48, "rollout.batch_size": 4,
-              "composer.num_latents": SPEC.num_latents, "composer.depth": SPEC.depth,
-              "composer.max_experience_tokens": SPEC.max_experience_tokens, "bank.n_ret": 2,
-              "lopd.composer": str(inputs / "composer"), "lopd.bank": str(inputs / "bank"),
-              **sets}
-    return load_config("tiny", [f"{k}={v}" for k, v in values.items()])
+    return lopd_config(inputs, **sets)
 
 
 def build(inputs, run_dir, **sets):
