@@ -1,8 +1,10 @@
 """Does another task's experience tell the self-teacher anything? A diagnostic, not a test.
 
-The base acts on the held-out tasks (sampled like the bank's rollouts); on its successes the frozen
-teacher's NLL per action token is measured with references of four kinds, as text and as the
-composer's latents:
+The base acts on validation tasks carved from the end of the training split (sampled like the
+bank's rollouts; the eval split is never touched, since this diagnostic informs choices); their
+entries are withheld from the bank, so no reference is the task's own or another validation
+task's. On the base's successes the frozen teacher's NLL per action token is measured with
+references of four kinds, as text and as the composer's latents:
 
 * none — the teacher reads the rollout as the student did;
 * retrieved — the bank's ``n_ret`` nearest entries (what LOPD uses);
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import random
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -38,10 +42,11 @@ def main() -> None:
     parser.add_argument("--composer", required=True)
     parser.add_argument("--model", default="toolworld-1m")
     parser.add_argument("--config", default="tiny")
-    parser.add_argument("--tasks", type=int, default=200, help="held-out tasks to act on")
+    parser.add_argument("--tasks", type=int, default=200,
+                        help="validation tasks (the last ones of the training split) to act on")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--acting", choices=["base", "oracle"], default="base",
-                        help="whose held-out successes are scored: the base's sampled ones (what "
+                        help="whose validation successes are scored: the base's sampled ones (what "
                         "the cold start measures), or the oracle's on every task (no selection: "
                         "the base's own successes are where it already knew what to do)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
@@ -53,7 +58,11 @@ def main() -> None:
     cfg = load_config(args.config, args.overrides)
     torch.set_num_threads(cfg.run.num_threads)
     env = pipeline.get_env(cfg)
-    tasks = env.tasks("eval")[:args.tasks]
+    train = env.tasks("train")
+    if not 0 < args.tasks < len(train):
+        parser.error(f"--tasks {args.tasks}: choose 1..{len(train) - 1} of the {len(train)} "
+                     "training tasks")
+    tasks = train[-args.tasks:]
     template = {t.task_id: t.meta.get("template") for t in tasks}
     model, tokenizer = pipeline.load_model(cfg, args.model)
     policy = (agent.OraclePolicy() if args.acting == "oracle"
@@ -63,7 +72,9 @@ def main() -> None:
     coded = set(code)
     n_ret = cfg.bank.n_ret
     rng = random.Random(args.seed)
-    with pipeline.open_bank(cfg, args.bank) as bank:
+    with tempfile.TemporaryDirectory() as tmp, pipeline.open_bank(cfg, args.bank) as source, \
+            pipeline.open_bank(cfg, source.snapshot(Path(tmp) / "bank")) as bank:
+        bank.withhold(t.task_id for t in tasks)   # a copy: the given bank is not changed
         composer = Composer.load(args.composer, model, tokenizer)
         fmt = ReferenceFormat.for_tokenizer(tokenizer)
         hits = bank.search([r.instruction for r in held], n_ret,
@@ -110,7 +121,7 @@ def main() -> None:
                                                               "latent")}
             tables[group] = (len(rows), table)
     who = "the oracle" if args.acting == "oracle" else args.model
-    print(f"{len(held)} held-out successes of {who}; retrieved entries sharing the query's "
+    print(f"{len(held)} validation successes of {who}; retrieved entries sharing the query's "
           f"template: {shared}/{n_ret * len(held)}")
     for group, (n, table) in tables.items():
         print()

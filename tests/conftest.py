@@ -59,3 +59,18 @@ def lopd_config(inputs, **sets):
               "lopd.composer": str(inputs / "composer"), "lopd.bank": str(inputs / "bank"),
               **sets}
     return load_config("tiny", [f"{k}={v}" for k, v in values.items()])
+
+
+def junk_and_gold_batch(t, n_tasks, step=1):
+    """A step of ``n_tasks`` training tasks of trainer ``t`` in groups of two: a random-policy
+    rollout (a failure) and the oracle's (a success) of each task, so GRPO's group advantages are
+    −1 and +1 and a LOPD step sees both outcomes."""
+    from lopd import agent, trainer
+    from lopd.algorithms.base import StepBatch
+
+    tasks = trainer.tasks_for_step(t.train_tasks, 0, step, n_tasks)
+    tok = t.ctx.tokenizer
+    junk = agent.run_episodes(t.env, tasks, agent.RandomPolicy(seed=0), tok, 3, 48, n_tasks)
+    gold = agent.run_episodes(t.env, tasks, agent.OraclePolicy(), tok, 8, 96, n_tasks)
+    return StepBatch(step, [task for task in tasks for _ in range(2)],
+                     [r for pair in zip(junk, gold) for r in pair])

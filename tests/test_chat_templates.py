@@ -451,7 +451,7 @@ def test_prepare_bank_cold_start_and_one_lopd_step(family, tmp_path):
     assert main(["bank", "build", "--out", str(bank), "--model", str(prepared), "--agent", "oracle",
                  "--set", "bank.embedder=policy", *ENV_SETS]) == 0
     assert main(["cold-start", "--model", str(prepared), "--bank", str(bank), "--out", str(composer),
-                 "--set", "cold_start.max_steps=2", "--set", "cold_start.eval_tasks=0",
+                 "--set", "cold_start.max_steps=2", "--set", "cold_start.validation_tasks=0",
                  "--set", "cold_start.batch_size=4", *composer_sets, *ENV_SETS,
                  "--json", str(tmp_path / "cold.json")]) == 0
     cold = json.loads((tmp_path / "cold.json").read_text())

@@ -9,6 +9,8 @@ from lopd.composer import Composer
 from lopd.config import ColdStartConfig, ComposerConfig
 from lopd.envs import get_env
 from lopd.experience import EmbedderSpec, ExperienceBank, load_embedder, retrieve_traces
+from lopd.latent import ReferenceFormat, insert_reference
+from lopd.teacher import LatentContext
 
 SPEC = ComposerConfig(num_latents=4, depth=2, num_heads=4, max_experience_tokens=96)
 
@@ -37,18 +39,52 @@ def test_retrieval_for_cold_start_is_leave_one_out(setting):
         retrieve_traces(bank, rollouts[:1], n_ret=100)
 
 
-def test_no_reference_nll_matches_a_plain_forward_pass(setting):
+def _plain_action_logprobs(model, ids, mask, inputs_embeds=None):
+    """Log-probs of the tokens at ``mask == 1`` of one sequence under ``model``'s own forward."""
+    ids = torch.tensor([ids])
+    out = model(input_ids=ids) if inputs_embeds is None else model(inputs_embeds=inputs_embeds)
+    picked = out.logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+    return picked[torch.tensor(mask[1:], dtype=torch.bool)]
+
+
+def test_teacher_is_the_base_without_adapter_even_with_a_trained_adapter(setting):
+    """LoRA B starts at 0, so an adapter left on is invisible on a fresh composer: here B is
+    random, the encoder (adapter on) differs from θ0, and every teacher pass still equals the
+    plain base — with no reference (``teacher_nll``) and with latents spliced in, right after the
+    composer encoded them with the adapter on."""
     model, tokenizer, bank, rollouts = setting
     composer = Composer(copy.deepcopy(model).eval(), tokenizer, SPEC)
-    fmt = cs.ReferenceFormat.for_tokenizer(tokenizer)
+    gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        nll = cs.teacher_nll(composer, rollouts[:2], fmt, None, "none")
-        for value, r in zip(nll, rollouts[:2]):
-            ids = torch.tensor([r.input_ids])
-            logp = model(input_ids=ids).logits[0, :-1].log_softmax(-1)
-            picked = logp.gather(-1, ids[0, 1:, None]).squeeze(-1)
-            mask = torch.tensor(r.action_mask[1:], dtype=torch.bool)
-            assert value.item() == pytest.approx(-picked[mask].mean().item(), abs=1e-5)
+        for name, p in composer.encoder.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    fmt = ReferenceFormat.for_tokenizer(tokenizer)
+    sample = rollouts[:2]
+    ids = torch.tensor([sample[0].input_ids])
+    with torch.no_grad():
+        adapted = composer.base.get_decoder()(input_ids=ids).last_hidden_state
+        with composer.teacher() as teacher:
+            plain = teacher.get_decoder()(input_ids=ids).last_hidden_state
+        assert torch.equal(plain, model.get_decoder()(input_ids=ids).last_hidden_state)
+        assert (adapted - plain).abs().max() > 1e-2
+
+        nll = cs.teacher_nll(composer, sample, fmt, None, "none")
+        for value, r in zip(nll, sample):
+            reference = -_plain_action_logprobs(model, r.input_ids, r.action_mask).mean()
+            assert value.item() == pytest.approx(reference.item(), abs=1e-6)
+
+        traces = retrieve_traces(bank, sample, n_ret=2)
+        scored, extras = LatentContext(composer, fmt).score(sample, traces)
+        rows = []
+        for r, z in zip(sample, extras["latents"]):
+            block = fmt.latent_block(z.size(0))
+            with_block, at = insert_reference(r.input_ids, block, fmt)
+            mask = [*r.action_mask[:at], *[0] * len(block), *r.action_mask[at:]]
+            embeds = model.get_input_embeddings()(torch.tensor([with_block])).clone()
+            embeds[0, torch.tensor(with_block) == fmt.latent_id] = z
+            rows.append(_plain_action_logprobs(model, with_block, mask, inputs_embeds=embeds))
+        assert (scored.token_logprobs() - torch.cat(rows)).abs().max() < 1e-5
 
 
 def test_cold_start_lowers_the_teacher_nll_and_leaves_the_base_alone(setting):

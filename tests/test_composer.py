@@ -1,4 +1,5 @@
 import copy
+import re
 
 import pytest
 import torch
@@ -29,12 +30,47 @@ def _perturb_lora(composer):
                 p.add_(torch.randn_like(p) * 0.1)
 
 
-def test_shared_layers_make_the_parameter_count_independent_of_depth():
-    def count(depth):
-        spec = ComposerConfig(num_latents=4, depth=depth, num_heads=4)
-        return sum(p.numel() for p in Compressor(32, 48, spec).parameters())
+def test_the_one_shared_block_is_applied_depth_times(pair):
+    """Shared parameters: one block's weights serve every depth (same state dict, same count).
+    Depth: the block runs ``depth`` times (counted with a hook), the output equals the block
+    applied twice by hand at depth 2, and depth 2 differs from depth 1 on the same weights."""
+    torch.manual_seed(0)
 
-    assert count(1) == count(8) == count(16)
+    def compressor(depth):
+        return Compressor(32, 48, ComposerConfig(num_latents=4, depth=depth, num_heads=4))
+
+    one = compressor(1)
+    states = torch.randn(2, 7, 32)
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, 5:] = 0
+    outputs = {}
+    for depth in (1, 2, 8):
+        c = compressor(depth)
+        c.load_state_dict(one.state_dict())      # strict: no per-layer parameters anywhere
+        assert sum(p.numel() for p in c.parameters()) == sum(p.numel() for p in one.parameters())
+        calls = []
+        handle = c.block.register_forward_hook(lambda *_: calls.append(1))
+        with torch.no_grad():
+            outputs[depth] = c(states, mask)
+        handle.remove()
+        assert len(calls) == depth
+    with torch.no_grad():
+        queries = one.queries.expand(2, -1, -1)
+        ignore = torch.cat([mask == 0, torch.zeros(2, 4, dtype=torch.bool)], dim=1)
+        for _ in range(2):
+            queries = one.block(queries, states, ignore)
+        by_hand = one.project(one.norm_out(queries))
+    torch.testing.assert_close(outputs[2], by_hand, rtol=0, atol=1e-6)
+    assert (outputs[2] - outputs[1]).abs().max() > 1e-3
+    assert (outputs[8] - outputs[2]).abs().max() > 1e-3
+    # The composer builds its compressor with the spec's depth and uses it when encoding.
+    composer, _ = pair
+    calls = []
+    handle = composer.compressor.block.register_forward_hook(lambda *_: calls.append(1))
+    with torch.no_grad():
+        composer.encode(TASKS, TRACES)
+    handle.remove()
+    assert composer.compressor.depth == SPEC.depth == len(calls) == 2
 
 
 def test_latents_have_the_right_shape_and_token_norm(pair, tiny_model):
@@ -99,5 +135,9 @@ def test_load_errors_are_clear(tiny_tokenizer, tiny_model, tmp_path):
 
 def test_uneven_experience_counts_are_refused(pair):
     composer, _ = pair
-    with pytest.raises(ValueError, match="same number of experiences"):
+    with pytest.raises(ValueError, match=re.escape(
+            "each of the 2 tasks needs the same number of experiences; got [2, 1]")):
         composer.encode(TASKS, [TRACES[0], TRACES[1][:1]])
+    with pytest.raises(ValueError, match=re.escape(
+            "each of the 2 tasks needs the same number of experiences; got [2]")):
+        composer.encode(TASKS, TRACES[:1])

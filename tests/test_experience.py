@@ -60,18 +60,47 @@ def test_entries_come_from_compact_traces(entries, env):
     assert len(entry.trace.splitlines()) == len(task.oracle) + 1   # one line per action
 
 
-def test_scores_equal_a_numpy_brute_force(bank, embedder, entries, env):
-    documents = embedder.embed_documents([e.trace for e in entries])
-    np.testing.assert_allclose(bank.embeddings(), documents, atol=1e-6)
-    queries = [t.instruction for t in env.tasks("eval")] + ["Cancel order O1 of customer C2."]
-    results = bank.search(queries, n_ret=5)
-    reference = embedder.embed_queries(queries) @ documents.T      # cosine: unit vectors
-    for hits, row in zip(results, reference):
-        order = np.argsort(-row)[:5]
-        assert [h.entry.entry_id for h in hits] == [bank.entries[i].entry_id for i in order]
-        np.testing.assert_allclose([h.score for h in hits], row[order], atol=1e-5)
-    norms = np.linalg.norm(documents, axis=1)
-    np.testing.assert_allclose(norms, 1.0, atol=1e-5)
+def _brute_force(queries, documents, doc_task_ids, exclude, n):
+    """Top-n (ids into ``documents``, scores) per query row by numpy inner product, each query's
+    ``exclude`` task left out."""
+    results = []
+    for row, excluded in zip(queries @ documents.T, exclude):
+        eligible = [i for i in np.argsort(-row, kind="stable") if doc_task_ids[i] != excluded]
+        results.append(([int(i) for i in eligible[:n]], row[eligible[:n]]))
+    return results
+
+
+def test_search_equals_a_numpy_brute_force_over_the_asymmetric_vectors(tmp_path, embedder,
+                                                                       entries, env):
+    """Queries go through embed_queries (with the query instruction), documents through
+    embed_documents; leave-one-out drops the query task's own entries, however many."""
+    asymmetric = TransformersEmbedder(replace(SPEC, query_instruction="Find a solved task: "),
+                                      embedder.backbone, embedder.tokenizer, batch_size=8)
+    # Task 0 and 1 get three more entries each, so their own entries would fill a top-3.
+    extra = [replace(entries[k], trace=entries[k].trace + f"\n(retry {i})")
+             for k in (0, 1) for i in range(3)]
+    with ExperienceBank.create(tmp_path / "bank", asymmetric) as bank:
+        bank.add(entries + extra)
+        stored = bank.entries
+        documents = asymmetric.embed_documents([e.trace for e in stored])
+        np.testing.assert_allclose(bank.embeddings(), documents, atol=1e-6)
+        np.testing.assert_allclose(np.linalg.norm(documents, axis=1), 1.0, atol=1e-5)
+        texts = ([e.task for e in entries[:12]] + [t.instruction for t in env.tasks("eval")]
+                 + ["Cancel order O1 of customer C2."])
+        exclude = [e.task_id for e in entries[:12]] + [None] * (len(texts) - 12)
+        queries = asymmetric.embed_queries(texts)
+        expected = _brute_force(queries, documents, [e.task_id for e in stored], exclude, 3)
+        found = bank.search(texts, n_ret=3, exclude_task_ids=exclude)
+    for hits, (order, scores), excluded in zip(found, expected, exclude):
+        assert [h.entry.entry_id for h in hits] == [stored[i].entry_id for i in order]
+        np.testing.assert_allclose([h.score for h in hits], scores, atol=1e-5)
+        assert all(h.entry.task_id != excluded for h in hits)
+    # The instruction matters: ranking by the document vectors of the query texts (a symmetric
+    # search) gives other neighbours, so the comparison above pins the query path.
+    symmetric = _brute_force(asymmetric.embed_documents(texts), documents,
+                             [e.task_id for e in stored], exclude, 3)
+    assert any(a[0] != b[0] for a, b in zip(symmetric, expected))
+    assert np.abs(queries - asymmetric.embed_documents(texts)).max() > 1e-3
 
 
 def test_leave_one_out_by_default(bank, embedder, entries):

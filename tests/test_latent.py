@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 
@@ -82,10 +84,20 @@ def test_gradients_reach_the_latents(tiny_tokenizer, tiny_model):
 def test_wrong_latent_count_is_a_clear_error(tiny_tokenizer, tiny_model):
     fmt, with_latents, _ = _pair(tiny_tokenizer)
     ids, _ = _left_pad(with_latents, tiny_tokenizer.pad_token_id)
-    with pytest.raises(ValueError, match="exactly 5 <|latent|>"):
-        latent.splice_embeddings(tiny_model.get_input_embeddings(), ids,
-                                 torch.zeros(len(with_latents), 5, tiny_model.config.hidden_size),
+    embedding, width = tiny_model.get_input_embeddings(), tiny_model.config.hidden_size
+    with pytest.raises(ValueError, match=re.escape(
+            "every row needs exactly 5 <|latent|> tokens; rows have [4, 4, 4]")):
+        latent.splice_embeddings(embedding, ids, torch.zeros(len(with_latents), 5, width),
                                  fmt.latent_id)
+    uneven = ids.clone()
+    uneven[1, (uneven[1] == fmt.latent_id).nonzero()[0]] = KNOWN[0]     # one sentinel fewer
+    with pytest.raises(ValueError, match=re.escape(
+            "every row needs exactly 4 <|latent|> tokens; rows have [4, 3, 4]")):
+        latent.splice_embeddings(embedding, uneven, torch.zeros(len(with_latents), 4, width),
+                                 fmt.latent_id)
+    with pytest.raises(ValueError, match=re.escape(
+            f"latents must be (batch=3, n, d), got (2, 4, {width})")):
+        latent.splice_embeddings(embedding, ids, torch.zeros(2, 4, width), fmt.latent_id)
 
 
 def test_shift_after_and_missing_header():

@@ -1,5 +1,5 @@
-"""LOPD on the embedded tiny base: what one step changes, the dual variable, the collapse the margin
-prevents, and resume after a kill."""
+"""LOPD on the embedded tiny base: the dual variable, the collapse the margin prevents, resume after
+a kill (what one step changes, and what it must not, is in test_step_checks.py)."""
 
 import json
 import os
@@ -15,7 +15,6 @@ import yaml
 from conftest import lopd_config, make_lopd_inputs
 from lopd import agent, models, trainer
 from lopd.algorithms.base import StepBatch
-from lopd.composer import Composer
 
 
 @pytest.fixture(scope="module")
@@ -36,34 +35,6 @@ def build(inputs, run_dir, **sets):
 def one_batch(t, step=1):
     tasks = trainer.tasks_for_step(t.train_tasks, 0, step, 4)
     return StepBatch(step, tasks, t.rollouts(tasks, 1.0, seed=step))
-
-
-def test_one_step_changes_student_and_composer_but_not_the_base(inputs, tmp_path):
-    t = build(inputs, tmp_path / "run", **{"train.learning_rate": 1e-3,
-                                           "lopd.composer_learning_rate": 1e-3})
-    alg = t.algorithm
-    student = {k: v.clone() for k, v in t.ctx.student.state_dict().items()}
-    phi = [p.detach().clone() for p in alg.composer.trainable_parameters()]
-    with alg.composer.teacher() as base:
-        frozen = {k: v.clone() for k, v in base.state_dict().items() if "lora_" not in k}
-    anchor = {k: v.clone() for k, v in alg.composer.anchor_compressor.state_dict().items()}
-    figures = alg.step(one_batch(t))
-    assert figures["action_tokens"] > 0 and figures["kl"] > 0
-    assert any(not torch.equal(v, t.ctx.student.state_dict()[k]) for k, v in student.items())
-    assert any(not torch.equal(a, b) for a, b in zip(phi, alg.composer.trainable_parameters()))
-    with alg.composer.teacher() as base:
-        after = base.state_dict()
-        for k, v in frozen.items():
-            assert torch.equal(v, after[k]), k
-    for k, v in alg.composer.anchor_compressor.state_dict().items():
-        assert torch.equal(v, anchor[k]), k
-    # The anchor adapter φ0 is still the cold start: its latents equal a fresh load's.
-    fresh_base, tokenizer = models.load_model("toolworld-1m")
-    fresh = Composer.load(inputs / "composer", fresh_base.eval(), tokenizer)
-    traces = [["1. a -> b", "1. c -> d"]]
-    with torch.no_grad():
-        assert torch.allclose(alg.composer.encode(["x"], traces, anchor=True),
-                              fresh.encode(["x"], traces), atol=1e-6)
 
 
 def test_beta_rises_below_the_margin_and_falls_to_zero_above_it(inputs, tmp_path):

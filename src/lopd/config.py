@@ -300,11 +300,13 @@ class ColdStartConfig:
     weight_decay: float = knob(0.0, "AdamW weight decay.", ge=0.0)
     epochs: int = knob(2, "Passes over the bank's successes.", ge=1)
     max_steps: int = knob(0, "Stop after this many steps (0 = run all epochs).", ge=0)
-    eval_tasks: int = knob(
-        200, "Held-out (eval split) tasks whose successful rollouts measure the latents' "
-        "information after cold start.", ge=0)
-    eval_samples: int = knob(
-        1, "Sampled attempts per held-out task for that measurement (more attempts, more "
+    validation_tasks: int = knob(
+        200, "Validation tasks carved from the end of the training split: their entries are "
+        "withheld from the bank for the cold start, and the base's successes on them measure the "
+        "latents' information after every epoch (0 = no measurement). Never the eval split.",
+        ge=0)
+    validation_samples: int = knob(
+        1, "Sampled attempts per validation task for that measurement (more attempts, more "
         "successes to measure on; each success counts once per attempt).", ge=1)
 
 

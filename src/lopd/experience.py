@@ -19,6 +19,16 @@ Rules the bank enforces: only training-split tasks enter (anything else raises :
 naming the task and split); rollouts whose reward is below the bank's threshold are skipped and
 reported; the same (task, compact trace) is stored once. A search excludes the querying task's own
 entries (leave-one-out) unless self-retrieval is allowed.
+
+A bank can *withhold* tasks (:meth:`ExperienceBank.withhold`): the validation tasks of a
+validation-mode run. The set is stored in the bank's settings, so every copy and checkpoint of it
+keeps it; a withheld task's entries stay in the table but are invisible (never searched, listed,
+counted or handed to a cold start), and adding one raises :class:`BankError`. This is how the
+comparison protocol's rule "validation tasks never enter the bank and are never retrieved" is kept
+by the bank itself rather than by each caller.
+
+The settings also count the rollouts sampled to fill the bank (``rollouts_sampled``, raised by
+:meth:`ExperienceBank.charge`): they are part of what a method using the bank has consumed.
 """
 
 from __future__ import annotations
@@ -340,11 +350,16 @@ class ExperienceBank:
         self.reward_threshold = float(settings["reward_threshold"])
         self.max_observation_chars = int(settings["max_observation_chars"])
         self.dim = int(settings["dim"])
+        self._withheld = frozenset(settings.get("withheld_task_ids", []))
+        self._rollouts_sampled = int(settings.get("rollouts_sampled", 0))
+        self._reset()
+        self.refresh()
+
+    def _reset(self) -> None:
         self._index = faiss.IndexFlatIP(self.dim)
         self._entries: list[Experience] = []
         self._per_task: Counter[str] = Counter()
         self._last_id = 0
-        self.refresh()
 
     # ------------------------------------------------------------------------------------------
     # Opening and creating
@@ -438,8 +453,18 @@ class ExperienceBank:
 
     @property
     def entries(self) -> list[Experience]:
-        """All entries in storage order (entry ids ascending)."""
+        """All visible entries (withheld tasks' left out) in storage order (entry ids ascending)."""
         return list(self._entries)
+
+    @property
+    def withheld(self) -> frozenset[str]:
+        """Task ids this bank withholds: never searched, listed or added."""
+        return self._withheld
+
+    @property
+    def rollouts_sampled(self) -> int:
+        """Rollouts sampled to fill this bank (what building it cost, in generations)."""
+        return self._rollouts_sampled
 
     def embeddings(self) -> np.ndarray:
         """The ``(len(self), dim)`` matrix of stored document vectors, in storage order."""
@@ -461,6 +486,10 @@ class ExperienceBank:
                 from None
         if not rows:
             return
+        self._last_id = rows[-1][0]
+        rows = [row for row in rows if row[1] not in self._withheld]
+        if not rows:
+            return
         vectors = np.empty((len(rows), self.dim), dtype=np.float32)
         entries = []
         for i, (entry_id, task_id, env, domain, split, task, trace, reward, source, meta,
@@ -474,7 +503,6 @@ class ExperienceBank:
         self._index.add(vectors)
         self._entries.extend(entries)
         self._per_task.update(e.task_id for e in entries)
-        self._last_id = rows[-1][0]
 
     def search(self, query_tasks: Sequence[str], n_ret: int,
                exclude_task_ids: Sequence[str | None] | None = None,
@@ -523,6 +551,8 @@ class ExperienceBank:
             "embedder": self.embedder.spec.describe(),
             "embedder_spec": asdict(self.embedder.spec),
             "dim": self.dim,
+            "withheld_tasks": len(self._withheld),
+            "rollouts_sampled": self._rollouts_sampled,
         }
 
     # ------------------------------------------------------------------------------------------
@@ -541,6 +571,9 @@ class ExperienceBank:
             if entry.split != TRAIN_SPLIT:
                 raise BankError(f"task {entry.task_id} is from the {entry.split!r} split; only "
                                 f"{TRAIN_SPLIT!r}-split tasks may enter the experience bank")
+            if entry.task_id in self._withheld:
+                raise BankError(f"task {entry.task_id} is withheld from {self.folder} (a "
+                                "validation task): it may not enter the bank")
         result = AddResult()
         candidates = []
         seen = set()
@@ -575,6 +608,27 @@ class ExperienceBank:
         result.added = inserted
         self.refresh()
         return result
+
+    def withhold(self, task_ids: Iterable[str]) -> None:
+        """Withhold ``task_ids`` from now on (added to those already withheld; stored)."""
+        withheld = self._withheld | frozenset(task_ids)
+        if withheld == self._withheld:
+            return
+        self._write_setting("withheld_task_ids", sorted(withheld))
+        self._withheld = withheld
+        self._reset()
+        self.refresh()
+
+    def charge(self, rollouts: int) -> None:
+        """Count ``rollouts`` more sampled rollouts as spent on filling this bank (stored)."""
+        if rollouts < 0:
+            raise ValueError(f"rollouts must be >= 0, got {rollouts}")
+        self._rollouts_sampled += int(rollouts)
+        self._write_setting("rollouts_sampled", self._rollouts_sampled)
+
+    def _write_setting(self, key: str, value) -> None:
+        self._conn.execute("INSERT OR REPLACE INTO settings VALUES (?, ?)",
+                           (key, json.dumps(value)))
 
     def snapshot(self, folder: str | Path) -> Path:
         """A consistent copy of this bank (table and stored rollouts) in ``folder``, which must not
@@ -699,18 +753,23 @@ def retrieval_quality(bank: ExperienceBank, queries: Sequence[Task], k: int = 3,
     return result
 
 
-def retrieve_traces(bank: ExperienceBank, rollouts: Sequence, n_ret: int,
-                    leave_one_out: bool = True) -> list[list[str]]:
-    """The compact traces of the ``n_ret`` nearest bank entries for each rollout's task."""
+def retrieve(bank: ExperienceBank, rollouts: Sequence, n_ret: int,
+             leave_one_out: bool = True) -> list[list[Hit]]:
+    """The ``n_ret`` nearest bank entries for each rollout's task (exactly ``n_ret``, or raise)."""
     hits = bank.search([r.instruction for r in rollouts], n_ret,
                        exclude_task_ids=[r.task_id if leave_one_out else None for r in rollouts])
-    traces = []
     for rollout, found in zip(rollouts, hits):
         if len(found) < n_ret:
             raise ValueError(f"the bank returned {len(found)} experiences for task {rollout.task_id}, "
                              f"fewer than n_ret={n_ret}: add more successes to the bank")
-        traces.append([hit.entry.trace for hit in found])
-    return traces
+    return hits
+
+
+def retrieve_traces(bank: ExperienceBank, rollouts: Sequence, n_ret: int,
+                    leave_one_out: bool = True) -> list[list[str]]:
+    """The compact traces of the ``n_ret`` nearest bank entries for each rollout's task."""
+    return [[hit.entry.trace for hit in found]
+            for found in retrieve(bank, rollouts, n_ret, leave_one_out)]
 
 
 def random_traces(bank: ExperienceBank, rollouts: Sequence, n_ret: int,

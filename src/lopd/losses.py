@@ -110,8 +110,12 @@ def dual_update(beta: float, margin: float, delta: float, lr: float) -> float:
     return max(0.0, beta + lr * (margin - delta))
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
-    """GRPO's advantages: each reward minus its group's mean, over the group's std (+ ``eps``).
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4,
+                     scale_rewards: str = "group") -> torch.Tensor:
+    """GRPO's advantages: each reward minus its group's mean, divided as ``scale_rewards`` says
+    (TRL's values): ``"group"`` by the group's std (+ ``eps``), ``"batch"`` by the std of all of
+    ``rewards`` (+ ``eps``), ``"none"`` by nothing (Dr. GRPO: the std weights easy and hard tasks
+    unequally). Stds are population stds.
 
     ``rewards`` (R,) holds consecutive groups of ``group_size`` rollouts of the same task; a group
     whose rewards are all equal gets advantage 0 everywhere.
@@ -120,8 +124,13 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) 
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
     groups = rewards.view(-1, group_size)
     centred = groups - groups.mean(dim=1, keepdim=True)
-    std = groups.std(dim=1, keepdim=True, unbiased=False)
-    return (centred / (std + eps)).view(-1)
+    if scale_rewards == "group":
+        return (centred / (groups.std(dim=1, keepdim=True, unbiased=False) + eps)).view(-1)
+    if scale_rewards == "batch":
+        return (centred / (rewards.std(unbiased=False) + eps)).view(-1)
+    if scale_rewards == "none":
+        return centred.view(-1)
+    raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}")
 
 
 def ppo_clip(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
@@ -130,3 +139,26 @@ def ppo_clip(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: tor
     ratio = torch.exp(logprobs - old_logprobs.detach())
     clipped = ratio.clamp(1 - epsilon, 1 + epsilon_high)
     return -torch.minimum(ratio * advantages, clipped * advantages)
+
+
+MARGIN_WEIGHTS = ("signed_reward", "success", "advantage")
+
+
+def margin_weights(rewards: torch.Tensor, successes: torch.Tensor, kind: str,
+                   batch_rewards: torch.Tensor | None = None, eps: float = 1e-4) -> torch.Tensor:
+    """w(r) of the privileged margin Δ (DESIGN §3), one weight per rollout.
+
+    ``signed_reward``: 2r − 1 (the paper's release; right for a binary reward). ``success``: +1 for
+    a success, −1 otherwise, whatever the fractional reward. ``advantage``: (r − mean) / (std +
+    ``eps``) over ``batch_rewards`` (default: ``rewards``; the whole step's when a process holds a
+    share of it), population std, so all-equal rewards give 0 everywhere.
+    """
+    rewards = rewards.to(torch.float32)
+    if kind == "signed_reward":
+        return 2 * rewards - 1
+    if kind == "success":
+        return successes.to(torch.float32) * 2 - 1
+    if kind == "advantage":
+        batch = rewards if batch_rewards is None else batch_rewards.to(torch.float32)
+        return (rewards - batch.mean()) / (batch.std(unbiased=False) + eps)
+    raise ValueError(f"unknown margin weight {kind!r}; choose from {', '.join(MARGIN_WEIGHTS)}")

@@ -466,6 +466,10 @@ def build_bank(cfg: Config, out: str | Path, model_path: str | None = None, agen
             write_episodes(episodes, rollouts)
         start = time.perf_counter()
         result = bank.add_rollouts(rollouts, {t.task_id: t for t in tasks}, source)
+        if agent == "model":
+            # Every sampled rollout, failures too, is what a method using this bank consumed; the
+            # oracle's are not samples of the model.
+            bank.charge(len(rollouts))
         add_seconds = time.perf_counter() - start
         per_domain: dict[str, dict] = {}
         for rollout in rollouts:
@@ -480,13 +484,16 @@ def build_bank(cfg: Config, out: str | Path, model_path: str | None = None, agen
                 "entries_before": before, "entries": len(bank),
                 "rollout_seconds": round(rollout_seconds, 1), "embed_seconds": round(add_seconds, 1),
                 "per_domain": dict(sorted(per_domain.items())),
-                "embedder": bank.embedder.spec.describe(), "reward_threshold": bank.reward_threshold}
+                "embedder": bank.embedder.spec.describe(), "reward_threshold": bank.reward_threshold,
+                "rollouts_sampled": bank.rollouts_sampled}
 
 
 def add_to_bank(cfg: Config, bank_dir: str | Path, rollouts_path: str | Path,
                 source: str | None = None) -> dict:
     """Store the rollouts of a JSONL file that pass the bank's rules; an eval-split rollout stops
-    the whole add (nothing is written)."""
+    the whole add (nothing is written). Every rollout of the file (failures too) is charged to the
+    bank's ``rollouts_sampled``: the file says nothing of who sampled it, so oracle rollouts added
+    this way are charged as well."""
     from lopd import runtime
 
     device = runtime.setup(cfg.run)
@@ -499,8 +506,9 @@ def add_to_bank(cfg: Config, bank_dir: str | Path, rollouts_path: str | Path,
     tasks = {t.task_id: t for split in ("eval", "train") for t in env.tasks(split)}
     with open_bank(cfg, bank_dir, device) as bank:
         result = bank.add_rollouts(rollouts, tasks, source=source or str(path))
+        bank.charge(len(rollouts))
         return {"bank": str(bank_dir), "rollouts": len(rollouts), **result.counts(),
-                "entries": len(bank)}
+                "entries": len(bank), "rollouts_sampled": bank.rollouts_sampled}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -510,72 +518,119 @@ def add_to_bank(cfg: Config, bank_dir: str | Path, rollouts_path: str | Path,
 def cold_start(cfg: Config, bank_dir: str | Path, out: str | Path, model_path: str | None = None,
                progress: bool = True) -> dict:
     """Fit a new composer on the bank's stored successes (``cold_start`` section) and save it in
-    ``out`` with its history. When ``cold_start.eval_tasks`` > 0, also measure what the latents
-    tell the frozen teacher: its NLL per action token on the base's held-out successes (sampled
-    at ``rollout.temperature``) under each kind of reference (``nll_per_action_token``), and the
-    same on coded and plain requests apart (``by_request_kind``)."""
+    ``out`` with its history.
+
+    When ``cold_start.validation_tasks`` = n > 0, the last n training tasks are a validation
+    carve-out: their entries are withheld from the bank for the whole cold start (never trained on,
+    never retrieved), the base samples them (``validation_samples`` attempts each, at
+    ``rollout.temperature``), and on its successes the frozen teacher's NLL per action token is
+    measured under each kind of reference (``nll_per_action_token``; also on coded and plain
+    requests apart, ``by_request_kind``) and, after every epoch, with retrieved and with random
+    latents (``per_epoch``; each epoch's composer is saved in ``out/epochs/epoch-E``). The eval
+    split is never touched. The sampled rollouts are counted (``rollouts_sampled``): a method
+    using this composer has consumed them."""
+    import tempfile
+
     from lopd import runtime
-    from lopd.algorithms import cold_start as cs
-    from lopd.composer import Composer
 
     device = runtime.setup(cfg.run)
     model_path = model_path or cfg.model.name_or_path
     out = Path(out)
     n_ret = cfg.bank.n_ret
+    env = get_env(cfg)
+    train_tasks = env.tasks("train")
+    n_val = cfg.cold_start.validation_tasks
+    if n_val >= len(train_tasks):
+        raise ConfigError(f"cold_start.validation_tasks={n_val} leaves no training task of "
+                          f"{len(train_tasks)}")
+    validation = train_tasks[len(train_tasks) - n_val:] if n_val else []
     model, tokenizer = load_model(cfg, model_path, device)
-    with open_bank(cfg, bank_dir, device) as bank:
-        successes = bank.stored_rollouts()
-        if len(successes) <= n_ret:
-            raise ValueError(f"{bank_dir} holds {len(successes)} stored successes; the cold start "
-                             f"needs more than bank.n_ret={n_ret} successes: fill it with "
-                             "`lopd bank build` (more training tasks, or a stronger base)")
-        # Held-out successes for the measurement: the base acts on eval tasks; they never enter
-        # the bank, they only query it.
-        env = get_env(cfg)
-        eval_tasks = env.tasks("eval")[: cfg.cold_start.eval_tasks]
-        held_out = []
-        if eval_tasks:
-            # Sampled like the bank's own rollouts (rollout.temperature), not greedy: greedy
-            # successes are the base's most confident paths and leave a reference nothing to add.
-            policy = model_policy(cfg, model, tokenizer, cfg.rollout.temperature)
-            attempts = [t for t in eval_tasks for _ in range(cfg.cold_start.eval_samples)]
-            held_out = [r for r in run_episodes(cfg, env, attempts, policy, tokenizer, progress)
-                        if r.success]
-        coded = {t.task_id for t in eval_tasks if "code" in t.meta}
+    with tempfile.TemporaryDirectory(prefix="lopd-cold-start-") as tmp:
+        bank_view = bank_dir
+        if validation:
+            # The user's bank is never changed: the carve-out is withheld from a copy.
+            with open_bank(cfg, bank_dir, device) as source:
+                bank_view = source.snapshot(Path(tmp) / "bank")
+        with open_bank(cfg, bank_view, device) as bank:
+            bank.withhold(t.task_id for t in validation)
+            figures = _fit_composer(cfg, bank, bank_dir, out, model, tokenizer, env, validation,
+                                    n_ret, progress)
+    return figures
 
-        composer = Composer(model, tokenizer, cfg.composer)
-        before = (cs.latent_information(composer, bank, held_out, n_ret, seed=cfg.run.seed)
-                  if held_out else {})
-        start = time.perf_counter()
-        history = cs.cold_start(composer, bank, successes, cfg.cold_start, n_ret,
-                                seed=cfg.run.seed, progress=progress,
-                                micro_batch_size=cfg.train.per_device_train_batch_size,
-                                precision=runtime.resolve_precision(cfg.run.precision,
-                                                                    model.device))
-        seconds = time.perf_counter() - start
-        composer.save(out)
-        table, groups = {}, {}
-        if held_out:
-            after = cs.latent_information(composer, bank, held_out, n_ret, seed=cfg.run.seed)
-            table = {"no reference": after["no reference"],
-                     "retrieved latents, cold-started composer": after["retrieved latents"],
-                     "random experiences' latents, cold-started": after["random experiences' latents"],
-                     "retrieved traces as text": after["retrieved traces as text"],
-                     "empty reference block (framing only)": after["empty reference block"],
-                     "retrieved latents, untrained composer": before["retrieved latents"]}
-            if coded:
-                # Coded requests (toolworld) are where experience says what the instruction does
-                # not: the same table on each part.
-                for name, part in (("coded", [r for r in held_out if r.task_id in coded]),
-                                   ("plain", [r for r in held_out if r.task_id not in coded])):
-                    if part:
-                        groups[name] = {"successes": len(part), **cs.latent_information(
-                            composer, bank, part, n_ret, seed=cfg.run.seed)}
+
+def _fit_composer(cfg: Config, bank, bank_dir, out: Path, model, tokenizer, env, validation: list,
+                  n_ret: int, progress: bool) -> dict:
+    from lopd import runtime
+    from lopd.algorithms import cold_start as cs
+    from lopd.composer import Composer
+    from lopd.latent import ReferenceFormat
+
+    successes = bank.stored_rollouts()
+    if len(successes) <= n_ret:
+        raise ValueError(f"{bank_dir} holds {len(successes)} stored successes (outside the "
+                         f"validation carve-out); the cold start needs more than "
+                         f"bank.n_ret={n_ret} successes: fill it with `lopd bank build` (more "
+                         "training tasks, or a stronger base)")
+    held_out, attempts = [], []
+    if validation:
+        # Sampled like the bank's own rollouts (rollout.temperature), not greedy: greedy
+        # successes are the base's most confident paths and leave a reference nothing to add.
+        policy = model_policy(cfg, model, tokenizer, cfg.rollout.temperature)
+        attempts = [t for t in validation for _ in range(cfg.cold_start.validation_samples)]
+        held_out = [r for r in run_episodes(cfg, env, attempts, policy, tokenizer, progress)
+                    if r.success]
+    coded = {t.task_id for t in validation if "code" in t.meta}
+    seed = cfg.run.seed
+
+    composer = Composer(model, tokenizer, cfg.composer)
+    before = cs.latent_information(composer, bank, held_out, n_ret, seed=seed) if held_out else {}
+    per_epoch = []
+
+    def measure(epoch: int) -> None:
+        composer.save(out / "epochs" / f"epoch-{epoch}")
+        fmt = ReferenceFormat.for_tokenizer(composer.tokenizer)
+        row = {"epoch": epoch}
+        for name, traces in (("retrieved latents", cs.retrieve_traces(bank, held_out, n_ret)),
+                             ("random experiences' latents",
+                              cs.random_traces(bank, held_out, n_ret, seed))):
+            row[name] = cs.mean_teacher_nll(composer, held_out, fmt, traces, "latent")
+        per_epoch.append(row)
+
+    start = time.perf_counter()
+    history = cs.cold_start(composer, bank, successes, cfg.cold_start, n_ret, seed=seed,
+                            progress=progress,
+                            micro_batch_size=cfg.train.per_device_train_batch_size,
+                            precision=runtime.resolve_precision(cfg.run.precision, model.device),
+                            on_epoch=measure if held_out else None)
+    seconds = time.perf_counter() - start
+    composer.save(out)
+    table, groups = {}, {}
+    if held_out:
+        after = cs.latent_information(composer, bank, held_out, n_ret, seed=seed)
+        table = {"no reference": after["no reference"],
+                 "retrieved latents, cold-started composer": after["retrieved latents"],
+                 "random experiences' latents, cold-started": after["random experiences' latents"],
+                 "retrieved traces as text": after["retrieved traces as text"],
+                 "empty reference block (framing only)": after["empty reference block"],
+                 "retrieved latents, untrained composer": before["retrieved latents"]}
+        for row in per_epoch:
+            row["no reference"] = after["no reference"]
+        if coded:
+            # Coded requests (toolworld) are where experience says what the instruction does
+            # not: the same table on each part.
+            for name, part in (("coded", [r for r in held_out if r.task_id in coded]),
+                               ("plain", [r for r in held_out if r.task_id not in coded])):
+                if part:
+                    groups[name] = {"successes": len(part), **cs.latent_information(
+                        composer, bank, part, n_ret, seed=seed)}
+    best = min(per_epoch, key=lambda r: r["retrieved latents"])["epoch"] if per_epoch else None
     figures = {"composer": str(out), "bank": str(bank_dir), "successes": len(successes),
                "steps": len(history), "seconds": round(seconds, 1),
                "first_nll": history[0]["nll"], "final_nll": history[-1]["nll"], "n_ret": n_ret,
+               "validation_tasks": len(validation), "rollouts_sampled": len(attempts),
                "held_out_successes": len(held_out), "nll_per_action_token": table,
-               "by_request_kind": groups}
+               "by_request_kind": groups, "per_epoch": per_epoch,
+               "best_epoch_by_retrieved_nll": best}
     cs.save_history(history, out, {"config": cfg.to_dict(), "figures": figures})
     return figures
 

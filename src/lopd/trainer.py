@@ -33,6 +33,7 @@ from lopd.agent import Rollout
 from lopd.algorithms.base import Panel, StepBatch, Updater
 from lopd.config import Config, ConfigError
 from lopd.envs.environment import Task
+from lopd.rollout.engine import check_sampling
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -74,6 +75,9 @@ class TrainContext:
     """The training processes (several under torchrun; see :mod:`lopd.distributed`)."""
     wrapped: distributed.Wrapped | None = None
     """The student's one wrapped scoring module (DDP / FSDP2) when there are several processes."""
+    validation_task_ids: frozenset[str] = frozenset()
+    """The validation carve-out of a validation-mode run (train.eval_split=validation): tasks no
+    method may learn from, retrieve or store (empty when evaluating on the eval split)."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -184,6 +188,7 @@ class Trainer:
         checkpoint = found[-1] if self.resume else None
         cfg = self.cfg
         pipeline.check_engine(cfg.rollout)
+        check_sampling(cfg.rollout)
         self.world, device = distributed.init(runtime.resolve_device(cfg.run.device),
                                               cfg.train.parallel)
         world = self.world
@@ -216,10 +221,13 @@ class Trainer:
             if self.wrapped.parallel == "fsdp2" and self._frozen_rows:
                 masks = distributed.row_masks(student, self._frozen_rows)
                 updater.grad_filters.append(lambda: distributed.apply_row_masks(masks))
+        validation = frozenset(t.task_id for t in self.eval_tasks) \
+            if cfg.train.eval_split == "validation" else frozenset()
         self.ctx = TrainContext(cfg, student, tokenizer, self.device, self.dtype, self.env,
                                 {t.task_id: t for t in train_tasks}, self.run_dir, updater,
-                                self.precision, world, self.wrapped)
+                                self.precision, world, self.wrapped, validation)
         self.algorithm = self.algorithm_cls(self.ctx, checkpoint)
+        self.setup_generations = self.algorithm.setup_rollouts()
         if cfg.train.rollouts_per_step % self.algorithm.group_size:
             raise ConfigError(f"train.rollouts_per_step={cfg.train.rollouts_per_step} must be a "
                               f"multiple of {self.algorithm.name}'s group size "
@@ -407,6 +415,7 @@ class Trainer:
                                              self.ctx.tokenizer, progress=False)
             summary = summarize(self.world.gather(mine))
         record = {"step": step, "generations": self.generations,
+                  "setup_generations": self.setup_generations,
                   "seconds": round(time.perf_counter() - start, 2), **summary}
         if self.world.is_main:
             with (self.run_dir / EVAL_FILE).open("a") as f:

@@ -335,6 +335,11 @@ class Algorithm(SharedStep):
     def updaters(self) -> dict[str, Updater]:
         return {"student": self.ctx.student_updater}
 
+    def setup_rollouts(self) -> int:
+        """Rollouts this method consumed before training (building a bank, sampling for a cold
+        start, a skill library...): charged with the training rollouts in every comparison."""
+        return 0
+
     def panels(self) -> list[Panel]:
         """Extra plot panels for this method's metrics."""
         return []

@@ -8,7 +8,9 @@ micro-batched step (:class:`ColdStart`, :mod:`lopd.algorithms.base`).
 
 :func:`latent_information` then measures whether the latents carry information, on held-out
 successes: the teacher's NLL per action token with no reference, with retrieved latents, with
-latents of random experiences, and with the retrieved traces as plain text.
+latents of random experiences, and with the retrieved traces as plain text. The held-out successes
+come from validation tasks carved out of the training split (``cold_start.validation_tasks``),
+withheld from the bank, never from the eval split: the table chooses the preset's epochs.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -78,12 +80,13 @@ class ColdStart(SharedStep):
 
 def cold_start(composer: Composer, bank, successes: Sequence[Rollout], cfg, n_ret: int,
                seed: int = 0, progress: bool = True, micro_batch_size: int = 0,
-               precision: str = "fp32") -> list[dict]:
+               precision: str = "fp32", on_epoch: Callable[[int], None] | None = None) -> list[dict]:
     """Fit φ on ``successes`` (training-split rollouts); returns the per-step history.
 
     ``micro_batch_size`` splits each batch of ``cold_start.batch_size`` successes into passes of
     that many (gradients accumulated; the same update); ``precision`` is 'fp32' or 'bf16-mixed'
-    (the composer's weights stay float32 either way).
+    (the composer's weights stay float32 either way). ``on_epoch(epoch)`` runs after every
+    completed epoch (1-based), with the composer in eval mode.
     """
     if not successes:
         raise ValueError("cold start needs successful rollouts; build the bank first")
@@ -114,6 +117,10 @@ def cold_start(composer: Composer, bank, successes: Sequence[Rollout], cfg, n_re
                             "seconds": round(time.perf_counter() - start, 2)})
             bar.update(1)
             bar.set_postfix(nll=f"{history[-1]['nll']:.4f}")
+        if on_epoch is not None and step % steps_per_epoch == 0:
+            composer.eval()
+            on_epoch(step // steps_per_epoch)
+            composer.train()
     bar.close()
     composer.eval()
     return history

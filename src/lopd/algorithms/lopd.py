@@ -10,7 +10,8 @@ One step (DESIGN §2–3), for the student's rollouts of the step:
    bucket, mean over action tokens, teacher detached;
 5. composer update: the same KL with the student detached, plus β·(m − Δ) and
    λ_anchor·mean((Z_φ − Z_φ0)²), where Δ is the teacher's privilege on the student's actions signed
-   by outcome;
+   by outcome (the weight w is ``lopd.margin_weight``: 2r − 1, ±1 by success, or the rollout's
+   reward advantage over the step's batch);
 6. dual update β ← max(0, β + η_β (m − Δ̄)); successful rollouts join the bank.
 
 Interpretations (the spec leaves these open):
@@ -23,14 +24,23 @@ Interpretations (the spec leaves these open):
   student pass per micro-batch); their graphs share no parameter, so one backward fills both
   optimisers' gradients and the two steps are independent.
 * Δ, KL_φ and the anchor are means over the whole step (rollouts, action tokens, latents), so each
-  micro-batch contributes its share and the accumulated update equals the one-pass update.
+  micro-batch contributes its share and the accumulated update equals the one-pass update. The
+  ``advantage`` weight normalises over the whole step's rewards (all processes), for the same reason.
+* In a validation-mode run (``train.eval_split=validation``) the run's bank withholds the
+  validation tasks (:meth:`lopd.experience.ExperienceBank.withhold`): their entries, present in a
+  bank built on the whole training split, are never retrieved, and each step logs how many
+  retrieved entries belong to a validation task (``retrieval/validation_hits``, 0 by construction).
+* The rollouts sampled to build the bank and, if the cold start sampled any, the composer are this
+  method's setup cost (:meth:`LOPD.setup_rollouts`), charged in every evaluation record.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -40,7 +50,7 @@ from lopd.algorithms.base import (Algorithm, LossTerms, MicroBatch, Panel, Score
                                   Updater)
 from lopd.composer import Composer
 from lopd.config import knob
-from lopd.experience import retrieve_traces
+from lopd.experience import retrieve
 from lopd.latent import ReferenceFormat
 from lopd.teacher import LatentContext, per_token
 
@@ -62,6 +72,9 @@ class LopdConfig:
     composer_learning_rate: float = knob(1e-5, "AdamW learning rate of φ (LoRA + compressor).",
                                          gt=0.0)
     composer_max_grad_norm: float = knob(1.0, "Gradient-norm clip of the composer update.", gt=0.0)
+    margin_weight: Literal["signed_reward", "success", "advantage"] = knob(
+        "signed_reward", "w(r) of the margin Δ: 'signed_reward' 2r - 1 (the paper's release), "
+        "'success' +1/-1 by the environment's success, 'advantage' (r - batch mean) / batch std.")
     add_successes: bool = knob(True, "Add the step's successful rollouts to the bank.")
 
 
@@ -113,6 +126,8 @@ class LOPD(Algorithm):
             shutil.copytree(checkpoint / self.BANK_DIR, bank_dir)
         world.barrier()  # rank 0 has copied the cold-start composer
         self.bank = pipeline.open_bank(cfg, bank_dir, ctx.device)
+        self.validation_ids = ctx.validation_task_ids
+        self.bank.withhold(self.validation_ids)
         # The frozen base θ0: one copy serves the composer's encoder (adapter on) and the teacher.
         base, _ = pipeline.load_model(cfg, device=ctx.device)
         self.composer = Composer.load(cold_start, base, ctx.tokenizer)
@@ -132,11 +147,27 @@ class LOPD(Algorithm):
     def updaters(self) -> dict[str, Updater]:
         return {"student": self.ctx.student_updater, "composer": self.composer_updater}
 
+    def setup_rollouts(self) -> int:
+        """The bank's sampled rollouts plus the cold start's validation samples (if any)."""
+        record = self.ctx.run_dir / self.COLD_START_DIR / "cold_start.json"
+        cold = json.loads(record.read_text())["figures"].get("rollouts_sampled", 0) \
+            if record.is_file() else 0
+        return self.bank.rollouts_sampled + cold
+
     def before_step(self, batch: StepBatch) -> dict:
-        traces = retrieve_traces(self.bank, batch.rollouts, self.n_ret,
-                                 leave_one_out=not self.ctx.cfg.bank.allow_self_retrieval)
+        hits = retrieve(self.bank, batch.rollouts, self.n_ret,
+                        leave_one_out=not self.ctx.cfg.bank.allow_self_retrieval)
         self.composer.train()
-        return {"teacher_context": traces, "rewards": batch.rewards.to(self.device)}
+        rewards = batch.rewards.to(self.device)
+        successes = torch.tensor([r.success for r in batch.rollouts], device=self.device)
+        # The advantage weight normalises over the whole step: every process's rewards.
+        every = torch.tensor(self.world.gather(batch.rewards.tolist()), device=self.device) \
+            if self.spec.margin_weight == "advantage" and self.world.enabled else None
+        weights = losses.margin_weights(rewards, successes, self.spec.margin_weight, every)
+        return {"teacher_context": [[h.entry.trace for h in found] for found in hits],
+                "margin_weights": weights,
+                "validation_hits": sum(h.entry.task_id in self.validation_ids
+                                       for found in hits for h in found)}
 
     def loss(self, micro: MicroBatch, scores: Scores, state: dict, totals: Totals) -> LossTerms:
         spec = self.spec
@@ -153,7 +184,7 @@ class LOPD(Algorithm):
         share = len(micro.rollouts) / totals.rollouts
         loss_student = kl_student.sum() / tokens
         gap, counts = losses.per_row_mean(gap_tokens, scores.teacher.rows, len(micro.rollouts))
-        weights = 2 * micro.take(state["rewards"]).to(gap.dtype) - 1
+        weights = micro.take(state["margin_weights"]).to(gap.dtype)
         delta = (weights * gap * (counts > 0)).sum() / max(1, totals.rollouts_with_actions)
         composer_kl = kl_composer.sum() / tokens
         anchor = losses.anchor_loss(scores.extras["latents"], scores.extras["anchor_latents"]) * share
@@ -176,7 +207,9 @@ class LOPD(Algorithm):
                                             source=f"lopd-step-{batch.step}")
             added = len(result.added)
         return {"margin": spec.margin, "beta": beta_used, "beta_next": self.beta,
-                "bank/added": added, "bank/size": len(self.bank)}
+                "bank/added": added, "bank/size": len(self.bank),
+                "retrieval/validation_hits": int(self.world.sum(
+                    {"hits": state["validation_hits"]})["hits"])}
 
     def panels(self) -> list[Panel]:
         return [Panel("KL(student ‖ teacher), top-M + tail", ("kl", "kl_composer")),

@@ -1,4 +1,5 @@
-"""`lopd train`, `lopd compare`, `lopd sweep`: training runs and the experiments made of them."""
+"""`lopd train`, `lopd compare`, `lopd sweep`, `lopd ablate`: training runs and the experiments made
+of them."""
 
 from __future__ import annotations
 
@@ -80,6 +81,22 @@ def cmd_sweep(args) -> int:
     return 0
 
 
+def cmd_ablate(args) -> int:
+    from lopd.experiments.ablation import ablation, parse_arm
+
+    arms = dict(parse_arm(a) for a in args.arm)
+    if len(arms) != len(args.arm):
+        raise ValueError("--arm names must be distinct")
+    out = Path(args.out)
+    track = [k.strip() for k in args.track.split(",") if k.strip()]
+    report = ablation(args.config, lopd_input_overrides(args), args.algo, arms, args.seeds, out,
+                      track, jobs=args.jobs)
+    print((out / "results.md").read_text())
+    print(f"figure: {out / 'ablation.png'}; all numbers: {out / 'results.json'}")
+    write_json(args.json_path, report)
+    return 0
+
+
 def _algo_list(allowed: list[str]):
     """``--algos`` as a list, checked against the methods registered when the parser was built."""
     from lopd.experiments.compare import check_algos
@@ -135,3 +152,20 @@ def register(sub) -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--validation-tasks", type=int, default=100)
     p.add_argument("--out", required=True)
+
+    p = add_command(sub, "ablate", cmd_ablate,
+                    "arms of one method that differ in named settings, x seeds",
+                    "Train one method once per arm and seed, each arm the same config plus its own "
+                    "settings; write results.json, results.md (final reward and success, mean ± "
+                    "std over seeds; tracked metrics first -> last) and ablation.png. Finished "
+                    "runs are reused, interrupted ones resumed. For tuning, set "
+                    "train.eval_split=validation so the eval split is never scored.", SHARED)
+    p.add_argument("--algo", default="lopd", choices=names)
+    p.add_argument("--arm", action="append", required=True, metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                   help="one arm, e.g. success:lopd.margin_weight=success (repeat per arm)")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--jobs", type=int, default=1,
+                   help="training runs at once, as separate processes (e.g. one per core)")
+    p.add_argument("--track", default="", metavar="KEY[,KEY]",
+                   help="per-step metrics to follow, e.g. delta,beta")
+    p.add_argument("--out", required=True, help="folder of the ablation")

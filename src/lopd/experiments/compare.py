@@ -6,11 +6,23 @@ one run per seed in ``OUT/ALGO/seedS`` with the same config apart from ``run.see
 ``train.algorithm`` (and a per-algorithm learning rate when given); finished runs are reused and
 interrupted ones resumed, so an interrupted compare continues where it stopped.
 
+Every rollout is charged (DESIGN §3b): a method's *training rollouts* are the generations its
+training loop sampled; its *setup rollouts* are those it consumed before training (LOPD: the
+bank-building rollouts and any cold-start sampling; GRPO: none), read from its eval records (0 for
+runs written before they carried the field) and the same for every seed (if not, the largest is
+charged and ``results.json`` says so); *charged* is their sum.
+
 Outputs in ``OUT``: ``results.json``, ``results.md`` (final held-out mean reward and success rate,
-mean ± std over seeds) and ``reward_vs_generations.png`` (held-out reward against rollouts used,
-mean over seeds with the min-max band). The *rollout ratio* is the generations LOPD needs before its
-seed-mean held-out reward first reaches GRPO's final seed-mean, divided by GRPO's total generations
-(the paper reports < 0.30); it is None when LOPD never reaches it.
+mean ± population std over seeds, and the three rollout counts) and ``reward_vs_generations.png``
+(held-out reward, mean over seeds with the min-max band, against training rollouts on the left and
+against charged rollouts on the right, where each curve starts at its setup rollouts).
+
+The *rollout ratio* (the paper reports < 0.30) compares LOPD with GRPO at GRPO's final seed-mean
+held-out reward. LOPD's *crossing* is the training rollouts at which its seed-mean curve first
+reaches that reward, interpolated linearly between the two evaluations that bracket it (a single
+noisy seed touching it does not count). It is reported two ways: training rollouts only, crossing /
+GRPO's training rollouts; and with setup, (LOPD's setup + crossing) / (GRPO's setup + training
+rollouts). Both are None when LOPD never reaches the reward or one of the two methods was not run.
 """
 
 from __future__ import annotations
@@ -21,7 +33,8 @@ from pathlib import Path
 
 from lopd import pipeline
 from lopd.config import Config, load_config
-from lopd.experiments.runs import check_reusable, finished, read_evals, train_or_reuse
+from lopd.experiments.runs import (check_reusable, finished, read_evals, setup_generations,
+                                   train_or_reuse)
 from lopd.trainer import checkpoints, write_config
 
 BASE = "base"
@@ -130,12 +143,13 @@ def compare(config: str | Path, overrides: list[str], algos: list[str], seeds: i
                             for algo in algos if algo != BASE for seed in range(seeds)], jobs)
     results: dict[str, dict] = {}
     curves: dict[str, list[list[dict]]] = {}
+    notes: list[str] = []
     for algo in algos:
         if algo == BASE:
             summary = evaluate_base(run_config(config, overrides, "lopd", 0, {}), out)
             results[BASE] = {"mean_reward": [summary["mean_reward"]] * seeds,
                              "success_rate": [summary["success_rate"]] * seeds,
-                             "generations": 0}
+                             "generations": 0, "setup_generations": 0, "charged_generations": 0}
             continue
         per_seed = []
         for seed in range(seeds):
@@ -145,21 +159,31 @@ def compare(config: str | Path, overrides: list[str], algos: list[str], seeds: i
             per_seed.append(read_evals(run_dir))
         curves[algo] = per_seed
         finals = [evals[-1] for evals in per_seed]
+        setups = [setup_generations(evals) for evals in per_seed]
+        if len(set(setups)) > 1:
+            notes.append(f"{algo}: setup rollouts differ across seeds ({setups}); the largest, "
+                         f"{max(setups)}, is charged")
         results[algo] = {"mean_reward": [f["mean_reward"] for f in finals],
                          "success_rate": [f["success_rate"] for f in finals],
                          "generations": finals[0]["generations"],
+                         "setup_generations": max(setups),
+                         "setup_generations_per_seed": setups,
+                         "charged_generations": max(setups) + finals[0]["generations"],
                          "learning_rate": run_config(config, overrides, algo, 0,
                                                      learning_rates).train.learning_rate}
     table = {algo: {"mean_reward": _mean_std(r["mean_reward"]),
                     "success_rate": _mean_std(r["success_rate"]),
-                    "generations": r["generations"], "learning_rate": r.get("learning_rate")}
+                    "generations": r["generations"], "setup_generations": r["setup_generations"],
+                    "charged_generations": r["charged_generations"],
+                    "learning_rate": r.get("learning_rate")}
              for algo, r in results.items()}
-    ratio = rollout_ratio(curves)
+    ratio = rollout_ratio(curves, {a: r["setup_generations"] for a, r in results.items()})
     report = {"seeds": seeds, "algos": algos, "per_seed": results, "summary": table,
-              "rollout_ratio": ratio, "config": str(config), "overrides": overrides}
+              "rollout_ratio": ratio, "notes": notes, "config": str(config),
+              "overrides": overrides}
     (out / "results.json").write_text(json.dumps(report, indent=1))
-    (out / "results.md").write_text(markdown(table, seeds, ratio))
-    plot(curves, results, out / "reward_vs_generations.png")
+    (out / "results.md").write_text(markdown(table, seeds, ratio, notes))
+    plot(curves, results, ratio, out / "reward_vs_generations.png")
     return report
 
 
@@ -170,55 +194,129 @@ def _mean_curve(per_seed: list[list[dict]]) -> list[tuple[int, float]]:
              statistics.fmean(evals[i]["mean_reward"] for evals in per_seed)) for i in range(length)]
 
 
-def rollout_ratio(curves: dict[str, list[list[dict]]]) -> float | None:
-    if "lopd" not in curves or "grpo" not in curves:
-        return None
-    grpo = _mean_curve(curves["grpo"])
-    target, total = grpo[-1][1], grpo[-1][0]
-    for generations, reward in _mean_curve(curves["lopd"]):
+def crossing_generations(curve: list[tuple[float, float]], target: float) -> float | None:
+    """The generations at which the ``(generations, reward)`` curve first reaches ``target``,
+    interpolated linearly between the two points that bracket it; the first point's generations
+    when the curve starts at or above it, None when it never gets there."""
+    previous = None
+    for generations, reward in curve:
         if reward >= target:
-            return generations / total
+            if previous is None:
+                return float(generations)
+            (g0, r0) = previous  # r0 < target <= reward, so the slope is positive
+            return g0 + (target - r0) / (reward - r0) * (generations - g0)
+        previous = (generations, reward)
     return None
 
 
-def markdown(table: dict, seeds: int, ratio: float | None) -> str:
-    lines = ["| method | held-out mean reward | held-out success rate | rollouts | lr |",
-             "| --- | --- | --- | --- | --- |"]
+def rollout_ratios(crossing: float | None, grpo_generations: float, lopd_setup: float = 0,
+                   grpo_setup: float = 0) -> tuple[float | None, float | None]:
+    """``(training only, with setup)``: LOPD's crossing over GRPO's training rollouts, and LOPD's
+    setup + crossing over GRPO's setup + training rollouts; None where there is no crossing (or
+    nothing to divide by)."""
+    if crossing is None:
+        return None, None
+    training = crossing / grpo_generations if grpo_generations > 0 else None
+    charged = grpo_setup + grpo_generations
+    return training, (lopd_setup + crossing) / charged if charged > 0 else None
+
+
+def rollout_ratio(curves: dict[str, list[list[dict]]], setup: dict[str, int]) -> dict:
+    """Both rollout ratios of LOPD against GRPO with the figures they are made of (all None when
+    either method was not run); ``setup`` holds each method's setup rollouts."""
+    ratio = dict.fromkeys(("training_only", "with_setup", "target_reward",
+                           "lopd_crossing_generations", "lopd_setup_generations",
+                           "grpo_generations", "grpo_setup_generations"))
+    if "lopd" not in curves or "grpo" not in curves:
+        return ratio
+    grpo_generations, target = _mean_curve(curves["grpo"])[-1]
+    crossing = crossing_generations(_mean_curve(curves["lopd"]), target)
+    training, with_setup = rollout_ratios(crossing, grpo_generations, setup["lopd"], setup["grpo"])
+    ratio.update(training_only=training, with_setup=with_setup, target_reward=target,
+                 lopd_crossing_generations=crossing, lopd_setup_generations=setup["lopd"],
+                 grpo_generations=grpo_generations, grpo_setup_generations=setup["grpo"])
+    return ratio
+
+
+def _number(value: float | None, digits: int = 3) -> str:
+    return "None" if value is None else f"{value:.{digits}f}"
+
+
+def markdown(table: dict, seeds: int, ratio: dict, notes: list[str] = ()) -> str:
+    lines = ["| method | held-out mean reward | held-out success rate | training rollouts | "
+             "setup rollouts | charged | lr |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for algo, row in table.items():
         (rm, rs), (sm, ss) = row["mean_reward"], row["success_rate"]
         lr = f"{row['learning_rate']:g}" if row["learning_rate"] else "-"
         lines.append(f"| {algo} | {rm:.4f} ± {rs:.4f} | {sm:.4f} ± {ss:.4f} | "
-                     f"{row['generations']} | {lr} |")
+                     f"{row['generations']} | {row['setup_generations']} | "
+                     f"{row['charged_generations']} | {lr} |")
     lines.append("")
-    lines.append(f"Mean ± population std over {seeds} seeds (base: greedy, identical per seed).")
-    if ratio is not None:
-        lines.append(f"Rollout ratio (LOPD generations to reach GRPO's final reward / GRPO's "
-                     f"generations): {ratio:.3f}")
+    lines.append(f"Mean ± population std over {seeds} seeds (base: greedy, identical per seed). "
+                 "Training rollouts: sampled by the training loop; setup rollouts: consumed before "
+                 "training (bank building, cold-start sampling); charged: their sum.")
+    lines.extend(f"Note: {note}." for note in notes)
+    lines.append("")
+    if ratio["target_reward"] is None:
+        lines.append("Rollout ratio: None, both ways (LOPD and GRPO were not both run).")
+        return "\n".join(lines) + "\n"
+    target, crossing = ratio["target_reward"], ratio["lopd_crossing_generations"]
+    if crossing is None:
+        lines.append(f"LOPD's seed-mean held-out reward never reached GRPO's final seed-mean "
+                     f"reward ({target:.4f}), so LOPD has no crossing point.")
     else:
-        lines.append("Rollout ratio: not defined (LOPD never reached GRPO's final reward, or one "
-                     "of them was not run).")
+        lines.append(f"LOPD's seed-mean held-out reward first reaches GRPO's final seed-mean "
+                     f"reward ({target:.4f}) at {crossing:.1f} training rollouts (interpolated "
+                     f"linearly between the two evaluations that bracket it).")
+    lines.append("")
+    lines.append(f"- Rollout ratio, training rollouts only = {_number(ratio['training_only'])}: "
+                 f"LOPD's crossing / GRPO's training rollouts = {_number(crossing, 1)} / "
+                 f"{ratio['grpo_generations']}.")
+    lines.append(f"- Rollout ratio with setup rollouts = {_number(ratio['with_setup'])}: (LOPD's "
+                 f"setup rollouts + crossing) / (GRPO's setup rollouts + training rollouts) = "
+                 f"({ratio['lopd_setup_generations']} + {_number(crossing, 1)}) / "
+                 f"({ratio['grpo_setup_generations']} + {ratio['grpo_generations']}).")
+    if crossing is None:
+        lines.append("")
+        lines.append("Both ratios are None: not reached.")
     return "\n".join(lines) + "\n"
 
 
-def plot(curves: dict[str, list[list[dict]]], results: dict, path: Path) -> None:
+def plot(curves: dict[str, list[list[dict]]], results: dict, ratio: dict, path: Path) -> None:
+    """Held-out reward against training rollouts (left, with LOPD's crossing) and against charged
+    rollouts (right: each curve shifted right by its method's setup rollouts)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
     for algo, per_seed in curves.items():
         length = min(len(e) for e in per_seed)
         xs = [per_seed[0][i]["generations"] for i in range(length)]
         values = [[e[i]["mean_reward"] for e in per_seed] for i in range(length)]
-        ax.plot(xs, [statistics.fmean(v) for v in values], marker="o", ms=3, label=algo)
-        ax.fill_between(xs, [min(v) for v in values], [max(v) for v in values], alpha=0.2)
-    if BASE in results:
-        ax.axhline(results[BASE]["mean_reward"][0], color="grey", ls="--", label="base")
-    ax.set_xlabel("generations (training rollouts)")
-    ax.set_ylabel("held-out mean reward")
-    ax.set_title("held-out reward vs. rollouts (mean over seeds, min-max band)")
-    ax.legend()
+        means = [statistics.fmean(v) for v in values]
+        shift = results[algo]["setup_generations"]
+        for ax, offset in ((left, 0), (right, shift)):
+            line, = ax.plot([x + offset for x in xs], means, marker="o", ms=3, label=algo)
+            ax.fill_between([x + offset for x in xs], [min(v) for v in values],
+                            [max(v) for v in values], alpha=0.2, color=line.get_color())
+    for ax in (left, right):
+        if BASE in results:
+            ax.axhline(results[BASE]["mean_reward"][0], color="grey", ls="--", label="base")
+    if ratio["lopd_crossing_generations"] is not None:
+        left.plot([ratio["lopd_crossing_generations"]], [ratio["target_reward"]], marker="*",
+                  ms=12, color="black", ls="none",
+                  label=f"LOPD reaches GRPO's final (ratio {ratio['training_only']:.2f})")
+    left.set_xlabel("training rollouts")
+    right.set_xlabel("rollouts charged, setup included")
+    left.set_ylabel("held-out mean reward")
+    left.set_title("against training rollouts")
+    right.set_title("against all rollouts charged")
+    fig.suptitle("held-out reward vs. rollouts (mean over seeds, min-max band)")
+    left.legend()
+    right.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

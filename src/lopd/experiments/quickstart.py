@@ -167,7 +167,7 @@ def run(cfg: Config, lopd_steps: int = 70, rebuild: bool = False, bank_tasks: in
         print(f"\n5. experience bank (built here): {bank['entries']} successes of "
               f"{bank['rollouts']} sampled base rollouts ({len(seeds)} passes over "
               f"{bank['tasks']} training tasks) -> {bank_dir}")
-        cold_cfg = cfg.with_overrides(["cold_start.eval_tasks=0"])
+        cold_cfg = cfg.with_overrides(["cold_start.validation_tasks=0"])
         cold, new_composer = _stage(composer_dir, "rebuilt",
                                     lambda: pipeline.cold_start(cold_cfg, bank_dir, composer_dir))
         new_inputs = new_bank or new_composer

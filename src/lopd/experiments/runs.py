@@ -20,6 +20,13 @@ def read_evals(run_dir: Path) -> list[dict]:
     return read_jsonl(Path(run_dir) / EVAL_FILE)
 
 
+def setup_generations(evals: list[dict]) -> int:
+    """Rollouts the run's method consumed before training (LOPD: bank building and cold-start
+    sampling; GRPO: none), as its eval records state it. Records written before the field existed
+    count 0; a run resumed across that change has both kinds, so the largest figure is its own."""
+    return max((r.get("setup_generations", 0) for r in evals), default=0)
+
+
 def finished(run_dir: Path, max_steps: int) -> bool:
     return any(r["step"] == max_steps for r in read_evals(run_dir))
 

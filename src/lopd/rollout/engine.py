@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lopd.config import ConfigError
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -95,3 +97,23 @@ class RolloutEngine(ABC):
         """Generate from ``model``'s current weights from now on. Engines that generate from the
         model object itself (transformers) need nothing; engines holding their own copy of the
         weights (vLLM) reload them. Call after every update of the model."""
+
+
+def check_sampling(rollout_cfg) -> None:
+    """Refuse training rollouts that the training forward would not score as sampled.
+
+    The student's loss scores each action token with log-softmax of its plain logits; a rollout
+    sampled at another temperature or from a truncated (top-p / top-k) distribution comes from
+    another policy, and its ratios and distillation targets would be off-policy without saying so
+    (DESIGN §3b). Rather than rescale and truncate in the training forward, such settings are
+    refused at start-up; evaluation episodes keep their own ``rollout.eval_temperature``.
+    """
+    offending = [f"rollout.{key}={getattr(rollout_cfg, key)}"
+                 for key, bad in (("temperature", rollout_cfg.temperature != 1.0),
+                                  ("top_p", rollout_cfg.top_p < 1.0),
+                                  ("top_k", rollout_cfg.top_k > 0)) if bad]
+    if offending:
+        verb = "is" if len(offending) == 1 else "are"
+        raise ConfigError("training rollouts must sample what the training forward scores "
+                          f"(temperature 1, no truncation): {', '.join(offending)} {verb} "
+                          "refused; evaluation keeps rollout.eval_temperature")
