@@ -8,7 +8,8 @@ per-step trajectory of each tracked metric (``delta``, ``beta``, ...) averaged o
 
 Outputs in ``OUT``: ``results.json`` (every figure per seed), ``results.md`` (the table, with each
 arm's settings) and ``ablation.png`` (one panel per tracked metric against training rollouts, seed
-mean with the min-max band, then the final reward per arm with each seed's point).
+mean with the min-max band, then the final reward per arm with each seed's point and the step-0
+evaluation as a dashed line).
 """
 
 from __future__ import annotations
@@ -56,11 +57,13 @@ def ablation(config: str | Path, overrides: list[str], algo: str, arms: dict[str
                             for (arm, seed), cfg in configs.items()], jobs)
     per_arm = {}
     for arm, sets in arms.items():
-        finals, curves = [], {key: [] for key in track}
+        finals, starts, curves = [], [], {key: [] for key in track}
         for seed in range(seeds):
             run_dir = out / arm / f"seed{seed}"
             train_or_reuse(configs[arm, seed], run_dir, algo)
-            finals.append(read_evals(run_dir)[-1])
+            evals = read_evals(run_dir)
+            finals.append(evals[-1])
+            starts.append(evals[0]["mean_reward"])
             metrics = [r for r in read_jsonl(run_dir / METRICS_FILE) if r["step"] > 0]
             for key in track:
                 curves[key].append([(r["generations"], r[key]) for r in metrics if key in r])
@@ -69,6 +72,7 @@ def ablation(config: str | Path, overrides: list[str], algo: str, arms: dict[str
             "mean_reward": [f["mean_reward"] for f in finals],
             "success_rate": [f["success_rate"] for f in finals],
             "generations": finals[0]["generations"],
+            "start_reward": starts,
             "tracked": {key: _seed_mean(curves[key]) for key in track},
             "tracked_final": {key: [c[-1][1] for c in curves[key] if c] for key in track},
         }
@@ -105,9 +109,11 @@ def markdown(report: dict, track: list[str]) -> str:
             curve = row["tracked"][key]
             cells.append(f"{curve[0]['mean']:.4g} → {curve[-1]['mean']:.4g}" if curve else "-")
         lines.append("| " + " | ".join(cells) + " |")
+    start = next(iter(report["arms"].values()))["start_reward"][0]
     lines.append("")
     lines.append(f"{report['algo']}; mean ± population std over {report['seeds']} seeds "
-                 f"(run.seed 0..{report['seeds'] - 1}); evaluation on the {report['split']} split.")
+                 f"(run.seed 0..{report['seeds'] - 1}); evaluation on the {report['split']} split; "
+                 f"before training (step 0) the mean reward is {start:.4f}.")
     return "\n".join(lines) + "\n"
 
 
@@ -136,7 +142,10 @@ def plot(report: dict, track: list[str], path: Path) -> None:
         ax.bar(i, statistics.fmean(row["mean_reward"]), alpha=0.5)
         ax.scatter([i] * len(row["mean_reward"]), row["mean_reward"], color="k", s=10, zorder=3)
     ax.set_xticks(range(len(arms)), list(arms), rotation=20, fontsize=8)
-    values = [v for row in arms.values() for v in row["mean_reward"]]
+    start = next(iter(arms.values()))["start_reward"][0]
+    ax.axhline(start, color="grey", ls="--", lw=1, label="before training (step 0)")
+    ax.legend(fontsize=7)
+    values = [start, *(v for row in arms.values() for v in row["mean_reward"])]
     pad = max(0.01, (max(values) - min(values)) * 0.5)
     ax.set_ylim(min(values) - pad, max(values) + pad)
     where = "validation" if report["split"] == "validation" else "held-out"
