@@ -35,7 +35,8 @@ from lopd.agent import Rollout
 from lopd.envs.environment import Task
 from lopd.distributed import SINGLE
 from lopd.runtime import autocast
-from lopd.teacher import DEFAULT_CHUNK_TOKENS, ActionLogits, TeacherView, action_logits, scoring_batch
+from lopd.teacher import (DEFAULT_CHUNK_TOKENS, ActionLogits, TeacherView, action_logits, per_token,
+                          scoring_batch)
 
 
 @dataclass
@@ -353,3 +354,37 @@ class Algorithm(SharedStep):
 
     def save(self, folder: Path) -> None:
         """Write artefacts that are not plain state (a composer, a bank) into ``folder``."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Pieces the self-distillation methods share
+
+
+def distillation_loss(divergence, scores: Scores, totals: Totals) -> LossTerms:
+    """The student's share of a distillation loss: ``divergence(student_logprobs,
+    teacher_logprobs)`` per action token (full-vocabulary log-probs, chunked by
+    :func:`lopd.teacher.per_token`; the teacher detached), summed over this micro-batch and
+    divided by the step's action tokens. Metrics: ``kl`` (that loss) and ``teacher_gain``, the
+    mean of log π_T(a) − log π_S(a) over the actions taken: how much more the teacher, with its
+    privileged context, expects what the student did."""
+
+    def terms(student_lp, teacher_lp, targets):
+        picked = targets.unsqueeze(-1)
+        return (divergence(student_lp, teacher_lp.detach()),
+                (teacher_lp.gather(-1, picked) - student_lp.detach().gather(-1, picked)).squeeze(-1))
+
+    per_token_loss, gain = per_token(terms, scores.student, scores.teacher)
+    tokens = max(1, totals.action_tokens)
+    loss = per_token_loss.sum() / tokens
+    return LossTerms({"student": loss}, {"kl": loss.detach(), "teacher_gain": gain.sum() / tokens})
+
+
+def require_unsharded(algorithm: Algorithm, what: str) -> None:
+    """Refuse FSDP2 at start-up for a method that keeps ``what`` (e.g. an EMA copy) beside the
+    student: the copy would need the full, unsharded weights on every rank."""
+    from lopd.config import ConfigError
+
+    if algorithm.world.enabled and algorithm.world.parallel == "fsdp2":
+        raise ConfigError(f"{algorithm.name} keeps {what} next to the student, which "
+                          "train.parallel=fsdp2 shards; use train.parallel=ddp")
+
