@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import junk_and_gold_batch
-from lopd import models
+from lopd import losses, models
 from lopd.algorithms.opsd import PRIVILEGED_PREFIX
 from lopd.config import ConfigError, load_config
 from test_sdft import build, scored
@@ -60,6 +60,15 @@ def test_the_loss_is_the_full_vocabulary_forward_kl_by_hand_and_theta0_never_mov
         kls.append((teacher.exp() * (teacher - student)).sum(-1).double())
     expected = torch.cat(kls).mean().item()
     assert expected > 0.5
+    # The shared loss with token weights: rollout 1's tokens left out, a mean over the others.
+    from lopd.algorithms.base import Totals, distillation_loss
+
+    _, scores = scored(alg, batch)
+    weights = (scores.student.rows != 1).float()
+    kept = torch.cat([k for i, k in enumerate(kls) if i != 1])
+    terms = distillation_loss(losses.forward_kl_full, scores, Totals.of(batch.rollouts), weights,
+                              denominator=kept.numel())
+    assert terms.metrics["kl"].item() == pytest.approx(kept.mean().item(), rel=1e-5)
     figures = alg.step(batch)
     assert figures["micro_batches"] == 2
     assert figures["kl"] == pytest.approx(expected, rel=1e-5)

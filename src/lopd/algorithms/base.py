@@ -360,13 +360,17 @@ class Algorithm(SharedStep):
 # Pieces the self-distillation methods share
 
 
-def distillation_loss(divergence, scores: Scores, totals: Totals) -> LossTerms:
+def distillation_loss(divergence, scores: Scores, totals: Totals,
+                      token_weights: torch.Tensor | None = None,
+                      denominator: int | None = None) -> LossTerms:
     """The student's share of a distillation loss: ``divergence(student_logprobs,
     teacher_logprobs)`` per action token (full-vocabulary log-probs, chunked by
-    :func:`lopd.teacher.per_token`; the teacher detached), summed over this micro-batch and
-    divided by the step's action tokens. Metrics: ``kl`` (that loss) and ``teacher_gain``, the
-    mean of log π_T(a) − log π_S(a) over the actions taken: how much more the teacher, with its
-    privileged context, expects what the student did."""
+    :func:`lopd.teacher.per_token`; the teacher detached), times ``token_weights`` (N,) when
+    given (0 for tokens without a teacher signal, importance weights...), summed over this
+    micro-batch and divided by ``denominator`` (default: the step's action tokens; pass the step's
+    count of weighted tokens for a mean over those). Metrics: ``kl`` (that loss) and
+    ``teacher_gain``, the mean of log π_T(a) − log π_S(a) over all actions taken: how much more the
+    teacher, with its privileged context, expects what the student did."""
 
     def terms(student_lp, teacher_lp, targets):
         picked = targets.unsqueeze(-1)
@@ -374,9 +378,12 @@ def distillation_loss(divergence, scores: Scores, totals: Totals) -> LossTerms:
                 (teacher_lp.gather(-1, picked) - student_lp.detach().gather(-1, picked)).squeeze(-1))
 
     per_token_loss, gain = per_token(terms, scores.student, scores.teacher)
-    tokens = max(1, totals.action_tokens)
-    loss = per_token_loss.sum() / tokens
-    return LossTerms({"student": loss}, {"kl": loss.detach(), "teacher_gain": gain.sum() / tokens})
+    if token_weights is not None:
+        per_token_loss = per_token_loss * token_weights.detach().to(per_token_loss.dtype)
+    loss = per_token_loss.sum() / max(1, totals.action_tokens if denominator is None
+                                      else denominator)
+    return LossTerms({"student": loss}, {"kl": loss.detach(),
+                                         "teacher_gain": gain.sum() / max(1, totals.action_tokens)})
 
 
 def require_unsharded(algorithm: Algorithm, what: str) -> None:
