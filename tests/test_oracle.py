@@ -1,5 +1,6 @@
 """Oracle trajectories in the environment protocol: the replayed oracle is the bank's compact trace
-of the oracle's own rollout (toolworld, codeworld); evaluation tasks and environments without
+of the oracle's own rollout (toolworld, codeworld: the reference function whole); toolworld traces are
+unchanged by the code-answer rule; evaluation tasks and environments without
 oracle trajectories refuse in one line."""
 
 import pytest
@@ -42,10 +43,52 @@ def test_codeworld_oracle_trace_is_the_compact_trace_of_the_reference_answer():
     for task, rollout in zip(tasks, rollouts):
         assert world.oracle_trace(task, 1000) == rollout.compact_trace(1000)
         assert world.oracle_trace(task) == rollout.compact_trace(80)
-    # With room for it, the whole reference function is in the trace (whitespace collapsed, as
-    # the bank stores answers).
-    code = " ".join(tasks[0].oracle_texts()[0].split())
-    assert code in world.oracle_trace(tasks[0], 10_000)
+    # At the bank's 80 characters the whole reference function is in the trace, verbatim (lines
+    # and indentation kept), as the answer, not as a malformed action.
+    for task in tasks:
+        answer = task.oracle_texts()[0]
+        assert len(answer) > 80 and answer.count("\n") >= 3
+        assert world.oracle_trace(task) == f"Task: {task.instruction}\n1. answer:\n{answer}"
+        assert "malformed" not in world.oracle_trace(task)
+    # A failed attempt with test feedback (two attempts): the code whole, the feedback on its own
+    # line, cut like any observation.
+    retry = CodeWorld(sizes={"train": 6, "eval": 2, "pretrain": 0}, verify=False, attempts=2)
+    task = retry.tasks("train")[0]
+    wrong = "```python\ndef nothing():\n    return None\n```"
+    turns = agent.replay_turns(retry, task, [wrong, task.oracle_texts()[0]])
+    assert [t["kind"] for t in turns] == ["code", "code"]
+    trace = agent.compact_trace(task.instruction, turns, 30)
+    assert trace.startswith(f"Task: {task.instruction}\n1. answer:\n")
+    lines = trace[len(f"Task: {task.instruction}\n"):].split("\n")
+    assert lines[:5] == ["1. answer:", "```python", "def nothing():", "    return None", "```"]
+    assert lines[5].startswith("-> ") and len(lines[5]) <= len("-> ") + 33
+    assert "\n".join(lines[6:]) == "2. answer:\n" + task.oracle_texts()[0]
+
+
+def test_toolworld_traces_are_byte_identical_to_the_traces_before_code_answers():
+    """The code-answer rule leaves every toolworld trace as it was: oracle traces, and sampled
+    traces with tool calls, answers and malformed actions, at two observation lengths (digest
+    of the traces written by the code before the rule existed)."""
+    import hashlib
+
+    env = get_env("toolworld", seed=0, sizes={"train": 8, "eval": 2, "pretrain": 0})
+    tasks = env.tasks("train")
+    _, tok = models.load_model("toolworld-1m")
+    junk = agent.run_episodes(env, tasks, agent.RandomPolicy(seed=0), tok, 3, 48, 8)
+    chatter = "I think the order is fine, nothing to do here at all really, so I will stop now."
+    junk += agent.run_episodes(env, tasks, agent.FixedTextPolicy(chatter), tok, 2, 48, 8)
+    assert {t["kind"] for r in junk for t in r.turns} == {"answer", "malformed", "tool_call"}
+    traces = ([env.oracle_trace(t) for t in tasks] + [r.compact_trace(80) for r in junk]
+              + [r.compact_trace(20) for r in junk])
+    assert traces[0] == (
+        'Task: Cancel order O226 of customer C384.\n'
+        '1. cancel_order({"order_id": "O226"}) -> Error: order O226 is already shipped and '
+        'cannot be cancelled\n'
+        '2. open_ticket({"order_id": "O226", "reason": "already_shipped"}) -> '
+        '{"ticket_id":"T1","order_id":"O226","reason":"already_shipped"}\n'
+        '3. answer: Task Completed')
+    assert hashlib.sha256("\n\n".join(traces).encode()).hexdigest() == \
+        "28d8f67025d4a0cb90ddefe67a8670cff525ccdfc47056d673a4b943725e37b3"
 
 
 def test_an_eval_task_never_gives_out_its_oracle(toolworld):

@@ -192,6 +192,22 @@ def ppo_clip(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: tor
     return -torch.minimum(ratio * advantages, clipped * advantages)
 
 
+def sampled_reverse_kl(logprobs: torch.Tensor, old_logprobs: torch.Tensor,
+                       teacher_logprobs: torch.Tensor) -> torch.Tensor:
+    """(N,) importance-weighted sampled-token reverse KL: ρ · sg[log π(a) − log π_T(a)] per
+    action token a, with ρ = π(a) / π_old(a) carrying the gradient (Skill-SD's distillation
+    term). The tokens were sampled by π_old; ``logprobs`` is the current policy's log-prob of each,
+    ``teacher_logprobs`` the teacher's (detached).
+
+    Its value is the importance-sampled estimate of KL(π ‖ π_T) at each visited prefix, and its
+    gradient ρ · (log π(a) − log π_T(a)) · ∇ log π(a) is the score-function estimate of that KL's
+    gradient (the term E[∇ log π] = 0 dropped): the student lowers the log-prob of tokens the
+    teacher finds less likely than it does and raises the others. On-policy (π = π_old) ρ is 1.
+    """
+    ratio = torch.exp(logprobs - old_logprobs.detach())
+    return ratio * (logprobs - teacher_logprobs).detach()
+
+
 MARGIN_WEIGHTS = ("signed_reward", "success", "advantage")
 
 

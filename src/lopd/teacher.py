@@ -294,8 +294,9 @@ class TextContext(TeacherView):
 
     def batch(self, rollouts, context) -> ScoringBatch:
         """The teacher's sequences: each rollout's with its text block inserted where ``fmt``
-        says, and the action mask shifted with it."""
-        blocks = [self.fmt.text_block(self.tokenizer, list(t)) for t in context]
+        says, and the action mask shifted with it. A rollout whose context is empty (no text for
+        it: a method that gives it no teacher signal) is scored as the student saw it."""
+        blocks = [self.fmt.text_block(self.tokenizer, list(t)) if t else [] for t in context]
         return scoring_batch([r.input_ids for r in rollouts], [r.action_mask for r in rollouts],
                              self.tokenizer.pad_token_id, blocks, self.fmt)
 

@@ -109,6 +109,10 @@ class Episode(ABC):
     """One running task with its own state."""
 
     task: Task
+    code_answers: bool = False
+    """True when every assistant message is a program the episode runs as its answer (the code
+    environments: no tools, no final marker); the agent records such turns as ``"code"`` and
+    compact traces keep them whole (:func:`lopd.agent.compact_trace`)."""
 
     @property
     def tools(self) -> list[dict]:
