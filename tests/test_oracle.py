@@ -1,6 +1,6 @@
 """Oracle trajectories in the environment protocol: the replayed oracle is the bank's compact trace
-of the oracle's own rollout (toolworld, codeworld: the reference function whole); toolworld traces are
-unchanged by the code-answer rule; evaluation tasks and environments without
+of the oracle's own rollout (toolworld; codeworld, whose reference function is kept whole);
+toolworld traces are unchanged by the code-answer rule; evaluation tasks and environments without
 oracle trajectories refuse in one line."""
 
 import pytest

@@ -1,5 +1,5 @@
-"""SDPO on the tiny base: sibling selection by hand (groups with 0, 1 and several successes), the EMA
-teacher reads exactly the sibling's trace and the student never does (token ids), the loss is the
+"""SDPO on the tiny base: sibling selection by hand (groups with 0, 1 and several successes), the
+EMA teacher reads exactly the sibling's trace and the student never does (token ids), the loss is the
 top-k + tail JSD over the signalled tokens by hand, a step moves the student towards the teacher,
 micro-batched = one pass, exact resume of the EMA teacher, G = 1 refused at start-up naming the
 key, and SDPO / Skill-SD reach the CLI and the config."""
@@ -12,7 +12,7 @@ import torch
 from conftest import small_config
 from lopd import agent, losses, models, trainer
 from lopd.algorithms import get_algorithm
-from lopd.algorithms.base import StepBatch, Totals, distillation_loss, micro_batches
+from lopd.algorithms.base import StepBatch, Totals, micro_batches
 from lopd.algorithms.sdpo import SIBLING_PREFIX, sibling_sources
 from lopd.config import ConfigError, load_config
 from test_algorithms import assert_same, snapshot
@@ -80,7 +80,7 @@ def test_the_ema_teacher_reads_the_siblings_trace_and_the_student_never_does(tmp
     state, _, scores = scored(alg, batch)
     chars = t.cfg.bank.max_observation_chars
     r = batch.rollouts
-    sibling = {0: 1, 2: 1, 3: 1, 4: 5, 5: 4, 6: 4, 7: 4}        # rollout 1 is its group's only success
+    sibling = {0: 1, 2: 1, 3: 1, 4: 5, 5: 4, 6: 4, 7: 4}   # rollout 1: its group's only success
     assert state["teacher_context"] == [[r[sibling[i]].compact_trace(chars)] if i in sibling else []
                                         for i in range(8)]
     assert state["signal"].tolist() == [1, 0, 1, 1, 1, 1, 1, 1]
@@ -193,7 +193,8 @@ def test_a_resumed_run_has_the_uninterrupted_runs_ema_teacher(tmp_path):
     assert any(not torch.equal(a, b) for a, b in zip(resumed.algorithm.ema.model.parameters(),
                                                      resumed.ctx.student.parameters()))
     resumed.run()
-    for a, b in zip(whole.algorithm.ema.model.parameters(), resumed.algorithm.ema.model.parameters()):
+    for a, b in zip(whole.algorithm.ema.model.parameters(),
+                    resumed.algorithm.ema.model.parameters()):
         assert torch.allclose(a, b, rtol=0, atol=1e-7)
     assert resumed.algorithm.ema_updates == whole.algorithm.ema_updates == 4
     a = {r["step"]: r for r in trainer.read_jsonl(tmp_path / "whole" / trainer.METRICS_FILE)}
@@ -226,6 +227,9 @@ def test_sdpo_and_skill_sd_reach_the_cli_and_the_config(capsys):
     train = next(a for a in build_parser()._subparsers._group_actions[0].choices["train"]._actions
                  if a.dest == "algo")
     assert {"sdpo", "skill_sd"} <= set(train.choices)
+    from lopd.experiments.compare import check_algos
+
+    check_algos(["base", "grpo", "sdpo", "skill_sd"])     # `lopd compare --algos` takes them
     assert main(["config", "--set", "sdpo.alpha=0.25", "--set", "skill_sd.ucb_c=1.5"]) == 0
     out = capsys.readouterr().out
     assert "sdpo.alpha" in out and "0.25" in out and "skill_sd.ucb_c" in out and "1.5" in out
