@@ -45,20 +45,24 @@ def make_lopd_inputs(root):
     return root
 
 
-def lopd_config(inputs, **sets):
-    """The ``tiny`` preset scaled down for a LOPD run on ``make_lopd_inputs(inputs)``; ``sets``
-    (``"section.key": value``) override it."""
+def small_config(**sets):
+    """The ``tiny`` preset scaled down to a few steps of 4 rollouts on 40 training tasks (every
+    method); ``sets`` (``"section.key": value``) override it."""
     from lopd.config import load_config
 
     values = {"env.train_size": 40, "env.eval_size": 4, "env.pretrain_size": 0,
               "train.rollouts_per_step": 4, "train.eval_tasks": 2, "train.max_steps": 4,
               "train.eval_every": 2, "train.save_every": 2, "rollout.max_turns": 3,
-              "rollout.max_completion_length": 48, "rollout.batch_size": 4,
-              "composer.num_latents": LOPD_SPEC.num_latents, "composer.depth": LOPD_SPEC.depth,
-              "composer.max_experience_tokens": LOPD_SPEC.max_experience_tokens, "bank.n_ret": 2,
-              "lopd.composer": str(inputs / "composer"), "lopd.bank": str(inputs / "bank"),
-              **sets}
+              "rollout.max_completion_length": 48, "rollout.batch_size": 4, **sets}
     return load_config("tiny", [f"{k}={v}" for k, v in values.items()])
+
+
+def lopd_config(inputs, **sets):
+    """:func:`small_config` for a LOPD run on ``make_lopd_inputs(inputs)``."""
+    return small_config(**{
+        "composer.num_latents": LOPD_SPEC.num_latents, "composer.depth": LOPD_SPEC.depth,
+        "composer.max_experience_tokens": LOPD_SPEC.max_experience_tokens, "bank.n_ret": 2,
+        "lopd.composer": str(inputs / "composer"), "lopd.bank": str(inputs / "bank"), **sets})
 
 
 def junk_and_gold_batch(t, n_tasks, step=1):

@@ -70,12 +70,16 @@ LR = 1e-5
 
 KEYS = {"grpo": ("loss", "kl_ref", "clip_fraction", "student/grad_norm"),
         "lopd": ("kl", "kl_composer", "delta", "anchor", "loss_composer", "student/grad_norm",
-                 "composer/grad_norm", "beta_next")}
+                 "composer/grad_norm", "beta_next"),
+        "sdft": ("kl", "teacher_gain", "student/grad_norm"),
+        "opsd": ("kl", "teacher_gain", "student/grad_norm")}
 
 
 @pytest.mark.parametrize("algo, sets", [
     ("grpo", {"grpo.num_generations": 3, "grpo.beta": 0.1}),
     ("lopd", {"lopd.dual_init": 0.7}),
+    ("sdft", {"sdft.ema_rate": 0.5}),
+    ("opsd", {"train.loss_chunk_tokens": 7}),
 ])
 def test_micro_batched_step_equals_the_one_batch_step(inputs, tmp_path, algo, sets):
     batch = {}
@@ -104,6 +108,11 @@ def test_micro_batched_step_equals_the_one_batch_step(inputs, tmp_path, algo, se
         assert_same(snapshot(whole.algorithm.composer.trainable_parameters()),
                     snapshot(parts.algorithm.composer.trainable_parameters()), "composer")
         assert f_whole["delta"] != 0 and f_whole["anchor"] >= 0
+    if algo == "sdft":
+        assert_same(snapshot(whole.algorithm.ema.model.parameters()),
+                    snapshot(parts.algorithm.ema.model.parameters()), "EMA teacher")
+    if algo in ("sdft", "opsd"):
+        assert f_whole["kl"] > 0
 
 
 def test_micro_batched_cold_start_step_equals_the_one_batch_step(inputs):

@@ -276,6 +276,27 @@ def test_the_header_is_the_templates_own_and_opens_the_first_user_message(family
         assert ids[at:at + len(fmt.latent_block(3))] == fmt.latent_block(3)
 
 
+# Tulu closes the system text with a bare line break, which BPE merges with the text's last
+# characters ("agent.\n"): no token is the template's alone, so the text goes right before the
+# user header, after that line break.
+SYSTEM_CLOSE = {"chatml": "<|im_end|>\n", "llama3": "<|eot_id|>", "tulu": ""}
+
+
+def test_system_placed_text_ends_the_system_message_in_every_template(family):
+    name, fam, _, prepared, _ = family
+    tokenizer = models.load_tokenizer(prepared)
+    placement = latent.TextPlacement.for_tokenizer(tokenizer, "system", "\n\nReference: ")
+    assert tokenizer.decode(placement.close) == SYSTEM_CLOSE[name]
+    block = placement.text_block(tokenizer, ["cancel O1"])
+    for rollout in _oracle_rollouts(tokenizer):
+        ids, at = latent.insert_reference(rollout.input_ids, block, placement)
+        assert ids[:at] + ids[at + len(block):] == rollout.input_ids
+        before, after = tokenizer.decode(ids[:at]), tokenizer.decode(ids[at + len(block):])
+        system, user = rollout.messages[0]["content"], rollout.messages[1]["content"]
+        assert system in before and fam.header not in before
+        assert after.startswith(SYSTEM_CLOSE[name] + fam.header + user)
+
+
 def test_a_header_ending_in_a_space_that_merges_with_the_content(tmp_path):
     """"User: " + "Cancel" tokenises as "User", ":", " Cancel" under the Llama 3 split: the space
     belongs to the content's first token, so the header must stop at the colon."""

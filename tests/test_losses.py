@@ -149,3 +149,95 @@ def test_ppo_clip_inside_and_outside_the_range():
     losses.ppo_clip(live, old, adv, 0.2, 0.2).sum().backward()
     # Clipped terms give no gradient.
     assert live.grad[1] == 0 and live.grad[3] == 0 and live.grad[0] != 0 and live.grad[2] != 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward KL over the full vocabulary and the generalised JSD, against python loops
+
+
+def brute_kl(p, q):
+    return sum(x * (math.log(x) - math.log(y)) for x, y in zip(p, q) if x > 0)
+
+
+def brute_jsd(s, t, alpha):
+    """SDPO's definition on plain lists of probabilities: the end points are the two KLs."""
+    if alpha == 0:
+        return brute_kl(t, s)
+    if alpha == 1:
+        return brute_kl(s, t)
+    m = [(1 - alpha) * x + alpha * y for x, y in zip(s, t)]
+    return (1 - alpha) * brute_kl(s, m) + alpha * brute_kl(t, m)
+
+
+def rows(logprobs):
+    return [[v.item() for v in row.exp()] for row in logprobs]
+
+
+def cells(probs, support):
+    picked = [probs[i] for i in support]
+    return picked + [sum(probs) - sum(picked)]
+
+
+def test_forward_kl_full_matches_a_python_loop():
+    student, teacher = random_logprobs(5, 40, 8), random_logprobs(5, 40, 9)
+    ref = [brute_kl(t, s) for s, t in zip(rows(student), rows(teacher))]
+    assert torch.allclose(losses.forward_kl_full(student, teacher),
+                          torch.tensor(ref, dtype=torch.float64), atol=1e-10)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.1, 0.5, 0.9, 1.0])
+def test_generalized_jsd_over_the_full_vocabulary_matches_a_python_loop(alpha):
+    student, teacher = random_logprobs(5, 30, 10), random_logprobs(5, 30, 11)
+    ref = [brute_jsd(s, t, alpha) for s, t in zip(rows(student), rows(teacher))]
+    got = losses.generalized_jsd(student, teacher, alpha)
+    assert torch.allclose(got, torch.tensor(ref, dtype=torch.float64), atol=1e-10)
+    assert (got >= 0).all()
+
+
+def test_generalized_jsd_end_points_and_symmetry():
+    student, teacher = random_logprobs(4, 25, 12), random_logprobs(4, 25, 13)
+    assert torch.equal(losses.generalized_jsd(student, teacher, 0.0),
+                       losses.forward_kl_full(student, teacher))
+    assert torch.equal(losses.generalized_jsd(student, teacher, 1.0),
+                       losses.kl(student, teacher))
+    # Swapping the sides and α ↦ 1 − α gives the same divergence (the mixture is the same).
+    assert torch.allclose(losses.generalized_jsd(student, teacher, 0.3),
+                          losses.generalized_jsd(teacher, student, 0.7), atol=1e-12)
+    # Near α = 0 the mixture formula is ≈ α·KL(p_T ‖ p_S), not KL itself: why the end points are
+    # defined as the plain KLs.
+    alpha = 1e-7
+    assert torch.allclose(losses.generalized_jsd(student, teacher, alpha) / alpha,
+                          losses.forward_kl_full(student, teacher), rtol=1e-2)
+    with pytest.raises(ValueError, match="alpha"):
+        losses.generalized_jsd(student, teacher, 1.5)
+
+
+@pytest.mark.parametrize("support_from", ["student", "teacher"])
+@pytest.mark.parametrize("alpha, top_k", [(0.0, 3), (0.5, 3), (0.5, 10), (0.8, 1), (1.0, 5)])
+def test_jsd_top_k_matches_a_python_loop(alpha, top_k, support_from):
+    student, teacher = random_logprobs(6, 20, 14), random_logprobs(6, 20, 15)
+    side = student if support_from == "student" else teacher
+    ref = []
+    for s, t, ranked in zip(rows(student), rows(teacher), rows(side)):
+        support = sorted(range(len(ranked)), key=lambda i: -ranked[i])[:top_k]
+        ref.append(brute_jsd(cells(s, support), cells(t, support), alpha))
+    got = losses.jsd_top_k(student, teacher, alpha, top_k, support_from)
+    assert torch.allclose(got, torch.tensor(ref, dtype=torch.float64), atol=1e-10)
+
+
+def test_jsd_top_k_with_k_at_least_the_vocabulary_is_the_full_jsd_with_finite_gradients():
+    student = random_logprobs(3, 12, 16).float().requires_grad_(True)
+    teacher = random_logprobs(3, 12, 17).float()
+    got = losses.jsd_top_k(student, teacher, 0.5, 12)
+    assert torch.allclose(got, losses.generalized_jsd(student, teacher, 0.5), atol=1e-7)
+    got.sum().backward()
+    assert torch.isfinite(student.grad).all()
+
+
+def test_jsd_with_a_vanishing_tail_stays_finite_in_fp32():
+    logits = torch.tensor([[30.0, 30.0, 2.0, 1.0]], dtype=torch.float32)
+    teacher = torch.log_softmax(logits, -1)
+    student = torch.log_softmax(logits * 0.5, -1).requires_grad_(True)
+    value = losses.jsd_top_k(student, teacher, 0.5, 2)
+    value.sum().backward()
+    assert torch.isfinite(value).all() and torch.isfinite(student.grad).all() and value.item() >= 0

@@ -46,7 +46,7 @@ def test_logit_scalings_of_other_architectures_are_applied():
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 0])
-def test_chunked_top_m_kl_equals_the_whole_computation(tiny_model, tiny_tokenizer, chunk):
+def test_chunked_divergences_equal_the_whole_computation(tiny_model, tiny_tokenizer, chunk):
     """Student and 'teacher' are two models (the second perturbed); every reduction and every
     gradient through the chunked path equals the full-vocabulary one."""
     torch.manual_seed(0)
@@ -69,12 +69,15 @@ def test_chunked_top_m_kl_equals_the_whole_computation(tiny_model, tiny_tokenize
 
     def chunked():
         s, t = action_logits(tiny_model, batch), action_logits(teacher_model, batch)
-        kl_s, kl_t, gap = per_token(
+        kl_s, kl_t, gap, full, jsd = per_token(
             lambda ls, lt, y: (losses.reverse_kl_top_m(ls, lt.detach(), 4),
                                losses.forward_kl_top_m(ls.detach(), lt, 4),
-                               lt.gather(-1, y[:, None])[:, 0] - ls.gather(-1, y[:, None])[:, 0]),
+                               lt.gather(-1, y[:, None])[:, 0] - ls.gather(-1, y[:, None])[:, 0],
+                               losses.forward_kl_full(ls, lt.detach()),
+                               losses.jsd_top_k(ls, lt.detach(), 0.5, 4)),
             s, t, chunk_tokens=chunk)
-        return kl_s.sum() + 0.3 * kl_t.mean() + 0.1 * gap.sum()
+        return (kl_s.sum() + 0.3 * kl_t.mean() + 0.1 * gap.sum() + 0.2 * full.sum()
+                + 0.5 * jsd.sum())
 
     def whole():
         s, t = action_logits(tiny_model, batch), action_logits(teacher_model, batch)
@@ -82,7 +85,9 @@ def test_chunked_top_m_kl_equals_the_whole_computation(tiny_model, tiny_tokenize
         y = s.targets[:, None]
         gap = lt.gather(-1, y)[:, 0] - ls.gather(-1, y)[:, 0]
         return (losses.reverse_kl_top_m(ls, lt.detach(), 4).sum()
-                + 0.3 * losses.forward_kl_top_m(ls.detach(), lt, 4).mean() + 0.1 * gap.sum())
+                + 0.3 * losses.forward_kl_top_m(ls.detach(), lt, 4).mean() + 0.1 * gap.sum()
+                + 0.2 * losses.forward_kl_full(ls, lt.detach()).sum()
+                + 0.5 * losses.jsd_top_k(ls, lt.detach(), 0.5, 4).sum())
 
     (a, ga), (b, gb) = grads_of(chunked), grads_of(whole)
     assert torch.allclose(a, b, atol=1e-5)

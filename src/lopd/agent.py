@@ -173,6 +173,56 @@ def _action_kind(action: Action) -> str:
     return "answer" if isinstance(action, FinalAnswer) else "malformed"
 
 
+def turn_record(text: str, action: Action, result: StepResult, code: bool = False) -> dict:
+    """One entry of :attr:`Rollout.turns`: the assistant's text, what it parsed to, the answer.
+    ``code``: the episode takes every message as a program (:attr:`Episode.code_answers`), so the
+    turn is a ``"code"`` answer whatever the tool-call parser made of it."""
+    return {"action": text, "kind": "code" if code else _action_kind(action),
+            "call": {"name": action.name, "arguments": action.arguments}
+            if isinstance(action, ToolCall) else None,
+            "observation": result.observation}
+
+
+def compact_trace(instruction: str, turns: list[dict], max_observation_chars: int = 80) -> str:
+    """The compact trace of an episode's ``turns`` (see :meth:`Rollout.compact_trace`).
+
+    A ``"code"`` turn (a code environment's answer) is the decision itself, like a tool call's
+    arguments: it is kept whole and verbatim on the lines after ``answer:`` (cut or re-spaced,
+    code means nothing), and its feedback, if any, follows on a line of its own."""
+    lines = [f"Task: {instruction}"]
+    for n, turn in enumerate(turns, 1):
+        arrow = " -> "
+        if turn["kind"] == "tool_call":
+            call = turn["call"]
+            action = f"{call['name']}({json.dumps(call['arguments'])})"
+        elif turn["kind"] == "code":
+            action = "answer:\n" + turn["action"].strip("\n")
+            arrow = "\n-> "
+        elif turn["kind"] == "answer":
+            action = "answer: " + _short(turn["action"], max_observation_chars)
+        else:
+            action = "malformed: " + _short(turn["action"], max_observation_chars)
+        if turn["observation"] is not None:
+            action += arrow + _short(turn["observation"], max_observation_chars)
+        lines.append(f"{n}. {action}")
+    return "\n".join(lines)
+
+
+def replay_turns(env: Environment, task: Task, texts: list[str]) -> list[dict]:
+    """The turns the agent loop records when the assistant writes ``texts`` in order on a fresh
+    episode of ``task`` (parsed and answered exactly as in :func:`run_episodes`), until the
+    episode ends or the texts run out. No tokenizer: only the chat-level record."""
+    episode = env.reset(task)
+    turns = []
+    for text in texts:
+        action = parse_action(text, episode.tools)
+        result = episode.step(action)
+        turns.append(turn_record(text, action, result, episode.code_answers))
+        if result.done or (isinstance(action, FinalAnswer) and result.observation is None):
+            break
+    return turns
+
+
 @dataclass
 class Rollout:
     """One finished episode: the token sequence for training, the chat for people and retrieval."""
@@ -197,7 +247,7 @@ class Rollout:
     messages: list[dict]
     """The full chat: initial messages, then assistant and tool messages."""
     turns: list[dict]
-    """Per assistant turn: ``{"action": text, "kind": "tool_call" | "answer" | "malformed",
+    """Per assistant turn: ``{"action": text, "kind": "tool_call" | "answer" | "malformed" | "code",
     "call": {"name", "arguments"} or None, "observation": tool text or None}``."""
     finish_reason: str
     """One of :data:`FINISH_REASONS`."""
@@ -212,19 +262,7 @@ class Rollout:
         This is the document the experience bank embeds and the composer reads: the decisions in
         full, the verbose tool output only as a short summary.
         """
-        lines = [f"Task: {self.instruction}"]
-        for n, turn in enumerate(self.turns, 1):
-            if turn["kind"] == "tool_call":
-                call = turn["call"]
-                action = f"{call['name']}({json.dumps(call['arguments'])})"
-            elif turn["kind"] == "answer":
-                action = "answer: " + _short(turn["action"], max_observation_chars)
-            else:
-                action = "malformed: " + _short(turn["action"], max_observation_chars)
-            if turn["observation"] is not None:
-                action += " -> " + _short(turn["observation"], max_observation_chars)
-            lines.append(f"{n}. {action}")
-        return "\n".join(lines)
+        return compact_trace(self.instruction, self.turns, max_observation_chars)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -453,11 +491,7 @@ class _EpisodeRun:
 
         action = parse_action(text, self.episode.tools)
         result = self.episode.step(action)
-        self.turns.append({
-            "action": text, "kind": _action_kind(action),
-            "call": {"name": action.name, "arguments": action.arguments}
-            if isinstance(action, ToolCall) else None,
-            "observation": result.observation})
+        self.turns.append(turn_record(text, action, result, self.episode.code_answers))
 
         if result.done:
             reason = "answer" if isinstance(action, FinalAnswer) else "env_done"

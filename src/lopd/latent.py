@@ -11,6 +11,11 @@ re-rendering text, so the student's token ids are kept exactly and the same inse
 (sentinels) and plain-text references (the "raw trace as text" ablation) alike. The user header is
 not written down for one chat format: :func:`user_header` reads it off the tokenizer's own template
 (ChatML, Llama 3, Tulu/OLMo, ...).
+
+Privileged *text* (a retrieved trace, an oracle demonstration) goes into the teacher's prompt the
+same way, by a :class:`TextPlacement`: as a reference block after the user header, or at the end
+of the system message, right before the tokens that close it (:func:`system_close`, read off the
+template like the header). Either way the student's tokens are kept and only shifted.
 """
 
 from __future__ import annotations
@@ -122,6 +127,10 @@ class ReferenceFormat:
         return cls(header=user_header(tokenizer), prefix=encode(REFERENCE_PREFIX),
                    suffix=encode(REFERENCE_SUFFIX), latent_id=latent_id)
 
+    def insertion_point(self, input_ids: Sequence[int]) -> int:
+        """Where the block goes: right after the first user header."""
+        return _after_header(input_ids, self.header)
+
     def latent_block(self, n_latents: int) -> list[int]:
         return [*self.prefix, *([self.latent_id] * n_latents), *self.suffix]
 
@@ -129,6 +138,90 @@ class ReferenceFormat:
         """A reference block that carries retrieved traces as plain text instead of latents."""
         body = tokenizer.encode("\n".join(texts), add_special_tokens=False)
         return [*self.prefix, *body, *self.suffix]
+
+
+def system_close(tokenizer, header: Sequence[int]) -> tuple[int, ...]:
+    """The tokens that close the first system message, right before the first user ``header``
+    (``<|im_end|>\\n`` in ChatML; possibly none): privileged text placed in the system message
+    goes just before them, after the system text and any tool list the template writes there.
+
+    Derived like :func:`user_header`: [system, user] is rendered for system texts that end in
+    different characters, with and without tools; the tokens all renderings share right before
+    the header are the template's own. A template that writes no system text before the first user
+    message (one that folds it into the user turn) cannot take system-message context.
+    """
+    systems = (*_PROBE_SYSTEMS, "Answer with 42", "Be brief (always)")
+    segments = []
+    for system in systems:
+        for tools in (None, PROBE_TOOLS):
+            ids = render(tokenizer, [{"role": "system", "content": system},
+                                     {"role": "user", "content": _PROBE_USERS[0]}], tools)
+            at = find_subsequence(ids, header)
+            if at < 0 or system not in tokenizer.decode(ids[:at]):
+                raise ValueError("the chat template writes no system message before the first "
+                                 "user message; place the privileged text in the user message")
+            segments.append(ids[:at])
+    n = 0
+    while all(len(seg) > n for seg in segments) and len({seg[-1 - n] for seg in segments}) == 1:
+        n += 1
+    close = tuple(segments[0][len(segments[0]) - n:])
+    if any(system not in tokenizer.decode(seg[:len(seg) - n]) for system, seg in
+           zip((s for s in systems for _ in range(2)), segments)):
+        raise ValueError("cannot find where the chat template's system message ends")
+    return close
+
+
+PLACEMENTS = ("user", "system")
+
+
+@dataclass(frozen=True)
+class TextPlacement:
+    """Where a teacher's privileged text goes in the student's sequence, and its framing.
+
+    ``where="user"``: a block right after the first user header (where LOPD's latents go);
+    ``where="system"``: at the end of the system message, before the tokens that close it. The
+    block is ``prefix ⊕ text ⊕ suffix``; nothing else in the sequence changes.
+    """
+
+    where: str
+    header: tuple[int, ...]
+    close: tuple[int, ...]
+    prefix: tuple[int, ...]
+    suffix: tuple[int, ...]
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer, where: str, prefix: str, suffix: str = "") -> TextPlacement:
+        if where not in PLACEMENTS:
+            raise ValueError(f"unknown placement {where!r}; choose from {', '.join(PLACEMENTS)}")
+        header = user_header(tokenizer)
+        close = system_close(tokenizer, header) if where == "system" else ()
+
+        def encode(text: str) -> tuple[int, ...]:
+            return tuple(tokenizer.encode(text, add_special_tokens=False)) if text else ()
+
+        return cls(where, header, close, encode(prefix), encode(suffix))
+
+    def insertion_point(self, input_ids: Sequence[int]) -> int:
+        at = _after_header(input_ids, self.header)
+        if self.where == "user":
+            return at
+        at -= len(self.header) + len(self.close)
+        if tuple(input_ids[at:at + len(self.close)]) != self.close:
+            raise ValueError("the sequence's system message does not end as the chat template's "
+                             "does; cannot place the privileged text")
+        return at
+
+    def text_block(self, tokenizer, texts: Sequence[str]) -> list[int]:
+        """The block carrying ``texts`` (joined by line breaks) with this placement's framing."""
+        body = tokenizer.encode("\n".join(texts), add_special_tokens=False)
+        return [*self.prefix, *body, *self.suffix]
+
+
+def _after_header(input_ids: Sequence[int], header: Sequence[int]) -> int:
+    at = find_subsequence(input_ids, header)
+    if at < 0:
+        raise ValueError("no user message header found in the sequence; cannot place the reference")
+    return at + len(header)
 
 
 def find_subsequence(seq: Sequence[int], sub: Sequence[int]) -> int:
@@ -142,16 +235,14 @@ def find_subsequence(seq: Sequence[int], sub: Sequence[int]) -> int:
 
 
 def insert_reference(input_ids: Sequence[int], block: Sequence[int],
-                     fmt: ReferenceFormat) -> tuple[list[int], int]:
-    """``input_ids`` with ``block`` inserted at the start of the first user message.
+                     fmt: ReferenceFormat | TextPlacement) -> tuple[list[int], int]:
+    """``input_ids`` with ``block`` inserted where ``fmt`` says: the start of the first user
+    message (a :class:`ReferenceFormat`, a ``"user"`` placement) or the end of the system message.
 
     Returns the new ids and the insertion index; every token at or after that index moves right by
     ``len(block)`` (shift masks and log-prob arrays the same way with :func:`shift_after`).
     """
-    at = find_subsequence(input_ids, fmt.header)
-    if at < 0:
-        raise ValueError("no user message header found in the sequence; cannot place the reference")
-    at += len(fmt.header)
+    at = fmt.insertion_point(input_ids)
     return [*input_ids[:at], *block, *input_ids[at:]], at
 
 

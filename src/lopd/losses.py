@@ -4,24 +4,41 @@ Every function takes log-probabilities over the vocabulary at action positions, 
 batch: ``(N, V)`` for N action tokens. Which side is detached is the caller's choice: the student
 update detaches the teacher, the composer update detaches the student.
 
-Top-M + tail (DESIGN §3). The support S_t is the teacher's M most likely tokens at position t. Each
+Top-M + tail (DESIGN §3). The support S_t is one side's M most likely tokens at position t (the
+teacher's for LOPD's and SDFT's KLs, the student's for SDPO's JSD, as its release does). Each
 distribution is reduced to M + 1 cells: its probability on each token of S_t, then one *tail* cell
 holding the rest of its mass. The tail is the log-sum-exp of the log-probs *outside* S_t, not
-``log(1 - sum)``: when the support holds nearly all the mass, ``1 - sum`` cancels catastrophically in
-fp32 (a tail of 1e-9 rounds to 0 and its log to -inf), while the log-sum-exp of the outside values
-keeps it exact.
+``log(1 - sum)`` (SDPO's release computes ``log(-expm1(logsumexp(top)))`` with a clamp): when the
+support holds nearly all the mass, ``1 - sum`` cancels catastrophically in fp32 (a tail of 1e-9
+rounds to 0 and its log to -inf), while the log-sum-exp of the outside values keeps it exact.
+
+Directions, named from the teacher's side as the distillation literature does:
+
+* forward KL  = KL(p_T ‖ p_S) = Σ p_T (log p_T − log p_S): mass-covering (SDFT, OPSD);
+* reverse KL  = KL(p_S ‖ p_T) = Σ p_S (log p_S − log p_T): mode-seeking (LOPD);
+* generalised JSD_α, α ∈ [0, 1], with the mixture m = (1 − α) p_S + α p_T:
+  (1 − α) KL(p_S ‖ m) + α KL(p_T ‖ m); α = 0 is forward KL and α = 1 reverse KL *by definition*
+  (SDPO's convention), since the mixture formula itself goes to 0 at both ends (≈ α·KL(p_T ‖ p_S)
+  near 0): the values are continuous in α only inside (0, 1).
+
+Every divergence returns one value per row (action token), in nats, no reduction over tokens: the
+caller averages over the step's action tokens. The full-vocabulary ones take (c, V) log-probs and run
+unchanged inside :func:`lopd.teacher.per_token`, which feeds them a chunk of c tokens at a time.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
-def teacher_support(teacher_logprobs: torch.Tensor, top_m: int) -> torch.Tensor:
-    """(N, M) indices of the teacher's ``top_m`` most likely tokens (no gradient)."""
+def top_support(logprobs: torch.Tensor, top_m: int) -> torch.Tensor:
+    """(N, M) indices of the ``top_m`` most likely tokens of ``logprobs`` (no gradient): the
+    support S_t of a top-M + tail reduction."""
     if top_m < 1:
         raise ValueError(f"top_m must be >= 1, got {top_m}")
-    return teacher_logprobs.detach().topk(min(top_m, teacher_logprobs.size(-1)), dim=-1).indices
+    return logprobs.detach().topk(min(top_m, logprobs.size(-1)), dim=-1).indices
 
 
 def top_m_tail(logprobs: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
@@ -53,20 +70,54 @@ def reverse_kl_top_m(student_logprobs: torch.Tensor, teacher_logprobs: torch.Ten
                      top_m: int) -> torch.Tensor:
     """(N,) KL(p̃_S ‖ p̃_T) on the teacher's top-M support plus tail: the LOPD distillation loss
     per action token (DESIGN §3, "Distillation loss")."""
-    support = teacher_support(teacher_logprobs, top_m)
+    support = top_support(teacher_logprobs, top_m)
     return kl(top_m_tail(student_logprobs, support), top_m_tail(teacher_logprobs, support))
 
 
 def forward_kl_top_m(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
                      top_m: int) -> torch.Tensor:
-    """(N,) KL(p̃_T ‖ p̃_S) on the teacher's top-M support plus tail."""
-    support = teacher_support(teacher_logprobs, top_m)
+    """(N,) KL(p̃_T ‖ p̃_S) on the teacher's top-M support plus tail (SDFT's loss)."""
+    support = top_support(teacher_logprobs, top_m)
     return kl(top_m_tail(teacher_logprobs, support), top_m_tail(student_logprobs, support))
 
 
 def forward_kl_full(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
-    """(N,) KL(p_T ‖ p_S) over the whole vocabulary (OPSD's loss)."""
+    """(N,) KL(p_T ‖ p_S) over the whole vocabulary (OPSD's loss); chunk it with
+    :func:`lopd.teacher.per_token`, which never holds more than one chunk's (c, V) tensors."""
     return kl(teacher_logprobs, student_logprobs)
+
+
+def generalized_jsd(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
+                    alpha: float) -> torch.Tensor:
+    """(N,) generalised Jensen-Shannon divergence over the last dimension (full vocabulary, or the
+    cells of a top-k + tail reduction): ``(1 − α) KL(p_S ‖ m) + α KL(p_T ‖ m)`` with
+    ``m = (1 − α) p_S + α p_T``; α = 0 is forward KL(p_T ‖ p_S), α = 1 reverse KL(p_S ‖ p_T)
+    (SDPO's interpolation coefficient; see the module docstring)."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    if alpha == 0.0:
+        return kl(teacher_logprobs, student_logprobs)
+    if alpha == 1.0:
+        return kl(student_logprobs, teacher_logprobs)
+    # log m by log-sum-exp of the weighted log-probs: exact where either side is tiny.
+    mixture = torch.logaddexp(student_logprobs + math.log(1 - alpha),
+                              teacher_logprobs + math.log(alpha))
+    return (1 - alpha) * kl(student_logprobs, mixture) + alpha * kl(teacher_logprobs, mixture)
+
+
+def jsd_top_k(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, alpha: float,
+              top_k: int, support_from: str = "student") -> torch.Tensor:
+    """(N,) :func:`generalized_jsd` between the top-k + tail reductions of both sides; the support
+    is the ``support_from`` side's top-k (``"student"``, as SDPO's release does, or
+    ``"teacher"``). With k ≥ V the reduction is the full distribution (no empty tail cell)."""
+    if support_from not in ("student", "teacher"):
+        raise ValueError(f"support_from must be 'student' or 'teacher', got {support_from!r}")
+    if top_k >= student_logprobs.size(-1):
+        return generalized_jsd(student_logprobs, teacher_logprobs, alpha)
+    support = top_support(student_logprobs if support_from == "student" else teacher_logprobs,
+                          top_k)
+    return generalized_jsd(top_m_tail(student_logprobs, support),
+                           top_m_tail(teacher_logprobs, support), alpha)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -139,6 +190,22 @@ def ppo_clip(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: tor
     ratio = torch.exp(logprobs - old_logprobs.detach())
     clipped = ratio.clamp(1 - epsilon, 1 + epsilon_high)
     return -torch.minimum(ratio * advantages, clipped * advantages)
+
+
+def sampled_reverse_kl(logprobs: torch.Tensor, old_logprobs: torch.Tensor,
+                       teacher_logprobs: torch.Tensor) -> torch.Tensor:
+    """(N,) importance-weighted sampled-token reverse KL: ρ · sg[log π(a) − log π_T(a)] per
+    action token a, with ρ = π(a) / π_old(a) carrying the gradient (Skill-SD's distillation
+    term). The tokens were sampled by π_old; ``logprobs`` is the current policy's log-prob of each,
+    ``teacher_logprobs`` the teacher's (detached).
+
+    Its value is the importance-sampled estimate of KL(π ‖ π_T) at each visited prefix, and its
+    gradient ρ · (log π(a) − log π_T(a)) · ∇ log π(a) is the score-function estimate of that KL's
+    gradient (the term E[∇ log π] = 0 dropped): the student lowers the log-prob of tokens the
+    teacher finds less likely than it does and raises the others. On-policy (π = π_old) ρ is 1.
+    """
+    ratio = torch.exp(logprobs - old_logprobs.detach())
+    return ratio * (logprobs - teacher_logprobs).detach()
 
 
 MARGIN_WEIGHTS = ("signed_reward", "success", "advantage")

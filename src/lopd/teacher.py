@@ -1,20 +1,29 @@
-"""How a teacher sees a rollout: the student's tokens plus a reference block, scored at the actions.
+"""How a teacher sees a rollout: the student's tokens plus privileged context, scored at the actions.
 
 Every self-distillation method scores the student's own trajectory with a teacher that has some
-privileged context. Here that context is a reference block inserted at the start of the first user
-message (:mod:`lopd.latent`): latent sentinels (LOPD), retrieved traces as text (ablation), or
-nothing (the plain base). The student's action tokens keep their identity; only their positions
-move right by the block's length, and the scores line up one to one with the student's.
+privileged context. Here that context is a block inserted into the student's token sequence
+(:mod:`lopd.latent`): latent sentinels in the first user message (LOPD), text there (retrieved
+traces, an oracle demonstration) or at the end of the system message, or nothing (the plain base).
+The student's action tokens keep their identity; only their positions move right by the block's
+length, and the scores line up one to one with the student's.
+
+Which weights read that context is the view's other half: the frozen base θ0 (the composer's base
+with its adapter off, or a separately loaded copy), or an :class:`EMATeacher`, a slowly moving
+copy of the student. Views: :class:`OtherWeights` (no context), :class:`LatentContext`,
+:class:`TextContext`.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from lopd.latent import ReferenceFormat, insert_reference, shift_after, splice_embeddings
+from lopd.latent import (ReferenceFormat, TextPlacement, insert_reference, shift_after,
+                         splice_embeddings)
 
 
 @dataclass
@@ -33,8 +42,9 @@ class ScoringBatch:
 
 def scoring_batch(sequences: Sequence[Sequence[int]], action_masks: Sequence[Sequence[int]],
                   pad_id: int, blocks: Sequence[Sequence[int]] | None = None,
-                  fmt: ReferenceFormat | None = None) -> ScoringBatch:
-    """Pad ``sequences`` into a batch, inserting ``blocks[i]`` into row i when blocks are given."""
+                  fmt: ReferenceFormat | TextPlacement | None = None) -> ScoringBatch:
+    """Pad ``sequences`` into a batch, inserting ``blocks[i]`` into row i where ``fmt`` says when
+    blocks are given."""
     rows, masks = [], []
     for i, (ids, mask) in enumerate(zip(sequences, action_masks)):
         ids, mask = list(ids), list(mask)
@@ -265,15 +275,92 @@ class LatentContext(TeacherView):
 
 
 class TextContext(TeacherView):
-    """The frozen base (adapter off) reads privileged text — ``context[i]``: the texts, e.g.
-    retrieved traces or a demonstration — in the reference block, without gradient."""
+    """A teacher reads privileged text — ``context[i]``: the texts for rollout i, e.g. retrieved
+    traces or an oracle demonstration — placed by ``fmt`` (a :class:`ReferenceFormat`: the
+    reference block of the first user message; a :class:`TextPlacement`: that block or the end of
+    the system message), without gradient. The student never sees the text: it is inserted into
+    the teacher's copy of the sequence only.
+
+    ``teacher`` is a :class:`~lopd.composer.Composer` (read as its frozen base θ0, adapter off) or
+    any causal LM: a frozen base, or an EMA copy (:attr:`EMATeacher.model`). Within a step the
+    weights do not change (an EMA copy moves in ``after_update``), so the view is ``frozen``.
+    """
 
     kind = "text"
 
-    def __init__(self, composer, fmt: ReferenceFormat):
-        self.composer, self.fmt = composer, fmt
+    def __init__(self, teacher, fmt: ReferenceFormat | TextPlacement, tokenizer=None):
+        self.teacher, self.fmt = teacher, fmt
+        self.tokenizer = tokenizer if tokenizer is not None else teacher.tokenizer
+
+    def batch(self, rollouts, context) -> ScoringBatch:
+        """The teacher's sequences: each rollout's with its text block inserted where ``fmt``
+        says, and the action mask shifted with it. A rollout whose context is empty (no text for
+        it: a method that gives it no teacher signal) is scored as the student saw it."""
+        blocks = [self.fmt.text_block(self.tokenizer, list(t)) if t else [] for t in context]
+        return scoring_batch([r.input_ids for r in rollouts], [r.action_mask for r in rollouts],
+                             self.tokenizer.pad_token_id, blocks, self.fmt)
 
     @torch.no_grad()
     def score(self, rollouts, context) -> tuple[ActionLogits, dict]:
-        blocks = [self.fmt.text_block(self.composer.tokenizer, list(t)) for t in context]
-        return teacher_pass(self.composer, rollouts, self.fmt, blocks=blocks), {}
+        from lopd.composer import Composer  # the composer module does not import this one
+
+        batch = self.batch(rollouts, context)
+        if isinstance(self.teacher, Composer):
+            with self.teacher.teacher() as base:
+                return action_logits(base, batch.to(base.device)), {}
+        return action_logits(self.teacher, batch.to(self.teacher.device)), {}
+
+
+def text_view(teacher, tokenizer, placement: str, prefix: str) -> TextContext:
+    """A :class:`TextContext` of ``teacher`` whose block is ``prefix`` then the context texts:
+    at the start of the first user message (``placement="user"``, a blank line before the user's
+    text) or at the end of the system message (``"system"``, a blank line after its text)."""
+    if placement == "system":
+        fmt = TextPlacement.for_tokenizer(tokenizer, "system", "\n\n" + prefix)
+    else:
+        fmt = TextPlacement.for_tokenizer(tokenizer, "user", prefix, "\n\n")
+    return TextContext(teacher, fmt, tokenizer)
+
+
+class EMATeacher:
+    """An exponential moving average of the student: a copy taken at start-up, never trained,
+    moved after each student update by θ_T ← (1 − α) θ_T + α θ_S (α = ``rate``; SDFT 0.01,
+    SDPO 0.05).
+
+    The copy stays float32 whatever ``run.dtype`` says: at α = 0.01 an update is a hundredth of
+    the student's step, below bf16's resolution for most weights. Only the student's trainable
+    parameters are averaged: the others never change, so their copies stay equal to them. Its
+    weights are part of a checkpoint (:meth:`save` / :meth:`load`): a resumed run continues from
+    the same teacher, not from a fresh copy of the resumed student.
+    """
+
+    FILE = "ema_teacher.safetensors"
+
+    def __init__(self, student: torch.nn.Module, rate: float):
+        if not 0.0 < rate <= 1.0:
+            raise ValueError(f"EMA rate must be in (0, 1], got {rate}")
+        self.rate = rate
+        self.model = copy.deepcopy(student).float().eval().requires_grad_(False)
+        student_params = dict(student.named_parameters())
+        own = dict(self.model.named_parameters())
+        self._pairs = [(own[name], p) for name, p in student_params.items() if p.requires_grad]
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """One EMA step towards the student's current weights."""
+        for mine, theirs in self._pairs:
+            mine.lerp_(theirs.detach().to(mine.dtype), self.rate)
+
+    def save(self, folder: Path) -> None:
+        from safetensors.torch import save_model
+
+        folder.mkdir(parents=True, exist_ok=True)
+        save_model(self.model, str(folder / self.FILE))
+
+    def load(self, folder: Path) -> None:
+        from safetensors.torch import load_model
+
+        path = folder / self.FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: the checkpoint has no EMA teacher")
+        load_model(self.model, str(path), device=str(next(self.model.parameters()).device))

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import importlib
 
-BUILTIN = ("lopd.algorithms.lopd", "lopd.algorithms.grpo")
+BUILTIN = ("lopd.algorithms.lopd", "lopd.algorithms.grpo", "lopd.algorithms.sdft",
+           "lopd.algorithms.opsd", "lopd.algorithms.sdpo", "lopd.algorithms.skill_sd")
 """Modules of the methods shipped with lopd; each registers its class on import."""
 
 ENTRY_POINTS = "lopd.algorithms"

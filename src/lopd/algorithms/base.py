@@ -35,7 +35,8 @@ from lopd.agent import Rollout
 from lopd.envs.environment import Task
 from lopd.distributed import SINGLE
 from lopd.runtime import autocast
-from lopd.teacher import DEFAULT_CHUNK_TOKENS, ActionLogits, TeacherView, action_logits, scoring_batch
+from lopd.teacher import (DEFAULT_CHUNK_TOKENS, ActionLogits, TeacherView, action_logits, per_token,
+                          scoring_batch)
 
 
 @dataclass
@@ -353,3 +354,44 @@ class Algorithm(SharedStep):
 
     def save(self, folder: Path) -> None:
         """Write artefacts that are not plain state (a composer, a bank) into ``folder``."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Pieces the self-distillation methods share
+
+
+def distillation_loss(divergence, scores: Scores, totals: Totals,
+                      token_weights: torch.Tensor | None = None,
+                      denominator: int | None = None) -> LossTerms:
+    """The student's share of a distillation loss: ``divergence(student_logprobs,
+    teacher_logprobs)`` per action token (full-vocabulary log-probs, chunked by
+    :func:`lopd.teacher.per_token`; the teacher detached), times ``token_weights`` (N,) when
+    given (0 for tokens without a teacher signal, importance weights...), summed over this
+    micro-batch and divided by ``denominator`` (default: the step's action tokens; pass the step's
+    count of weighted tokens for a mean over those). Metrics: ``kl`` (that loss) and
+    ``teacher_gain``, the mean of log π_T(a) − log π_S(a) over all actions taken: how much more the
+    teacher, with its privileged context, expects what the student did."""
+
+    def terms(student_lp, teacher_lp, targets):
+        picked = targets.unsqueeze(-1)
+        return (divergence(student_lp, teacher_lp.detach()),
+                (teacher_lp.gather(-1, picked) - student_lp.detach().gather(-1, picked)).squeeze(-1))
+
+    per_token_loss, gain = per_token(terms, scores.student, scores.teacher)
+    if token_weights is not None:
+        per_token_loss = per_token_loss * token_weights.detach().to(per_token_loss.dtype)
+    loss = per_token_loss.sum() / max(1, totals.action_tokens if denominator is None
+                                      else denominator)
+    return LossTerms({"student": loss}, {"kl": loss.detach(),
+                                         "teacher_gain": gain.sum() / max(1, totals.action_tokens)})
+
+
+def require_unsharded(algorithm: Algorithm, what: str) -> None:
+    """Refuse FSDP2 at start-up for a method that keeps ``what`` (e.g. an EMA copy) beside the
+    student: the copy would need the full, unsharded weights on every rank."""
+    from lopd.config import ConfigError
+
+    if algorithm.world.enabled and algorithm.world.parallel == "fsdp2":
+        raise ConfigError(f"{algorithm.name} keeps {what} next to the student, which "
+                          "train.parallel=fsdp2 shards; use train.parallel=ddp")
+

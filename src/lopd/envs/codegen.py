@@ -47,6 +47,8 @@ class CodeEpisode(Episode):
     """One code task: each answer is run against the tests; the episode ends when all pass or the
     attempts are used up."""
 
+    code_answers = True
+
     def __init__(self, task: Task, messages: list[dict], program: Callable[[str], str],
                  tests: list[dict], limits: Limits, reward: str = "fraction", attempts: int = 1,
                  score: bool = True):

@@ -5,6 +5,12 @@ starts an independent :class:`Episode` (its own state), so a batch of episodes c
 side in the rollout engine. The agent loop parses the model's text into an :class:`Action` and
 calls ``episode.step(action)``; the episode answers with a :class:`StepResult`. When the episode is
 over, ``episode.verify()`` scores the final state.
+
+Oracle trajectories: an environment that has reference solutions for its training tasks names
+those splits in :attr:`Environment.oracle_splits`; :meth:`Environment.oracle_trace` replays a
+task's oracle through a fresh episode and renders it as the compact trace the experience bank
+stores, the privileged text of the methods that show their teacher a reference solution (SDFT,
+OPSD). Evaluation tasks never give theirs out, and a benchmark without training tasks has none.
 """
 
 from __future__ import annotations
@@ -103,6 +109,10 @@ class Episode(ABC):
     """One running task with its own state."""
 
     task: Task
+    code_answers: bool = False
+    """True when every assistant message is a program the episode runs as its answer (the code
+    environments: no tools, no final marker); the agent records such turns as ``"code"`` and
+    compact traces keep them whole (:func:`lopd.agent.compact_trace`)."""
 
     @property
     def tools(self) -> list[dict]:
@@ -124,6 +134,10 @@ class Episode(ABC):
         """Score the current state against the task's checklist."""
 
 
+class OracleError(ValueError):
+    """An oracle trajectory was asked of an environment or a task that does not give one out."""
+
+
 class Environment(ABC):
     """A seeded family of tasks and the means to run them."""
 
@@ -132,6 +146,35 @@ class Environment(ABC):
     max_episode_turns: int = 0
     """Actions an episode may need at most (multi-turn benchmarks: user turns × actions per turn);
     episode runners allow at least this many. 0 = the config's rollout.max_turns decides."""
+    oracle_splits: tuple[str, ...] = ()
+    """Splits whose tasks' oracle trajectories a training method may read (:meth:`oracle_trace`);
+    empty for an environment without oracle trajectories for training (the benchmarks)."""
+
+    def require_oracle(self, method: str) -> None:
+        """Fail (at a method's start-up) unless this environment gives out oracle trajectories."""
+        if not self.oracle_splits:
+            raise OracleError(f"{method} needs oracle trajectories, but environment {self.name} "
+                              "has none for training (it offers no oracle_splits)")
+
+    def oracle_trace(self, task: Task, max_observation_chars: int = 80) -> str:
+        """The reference solution of training task ``task`` as the experience bank stores a
+        rollout: the compact trace (:meth:`lopd.agent.Rollout.compact_trace`) of the oracle's
+        actions replayed through a fresh episode, observations cut to ``max_observation_chars``.
+
+        Only tasks of :attr:`oracle_splits` give one out: an evaluation task's solution must never
+        reach a training method."""
+        from lopd.agent import compact_trace, replay_turns  # agent builds on this module
+
+        if not self.oracle_splits:
+            raise OracleError(f"environment {self.name} has no oracle trajectories for training")
+        if task.env != self.name:
+            raise OracleError(f"task {task.task_id} belongs to environment {task.env}, not "
+                              f"{self.name}")
+        if task.split not in self.oracle_splits:
+            raise OracleError(f"task {task.task_id} is in the {task.split} split: {self.name} gives "
+                              f"oracle trajectories for {', '.join(self.oracle_splits)} tasks only")
+        turns = replay_turns(self.for_transcripts(), task, task.oracle_texts())
+        return compact_trace(task.instruction, turns, max_observation_chars)
 
     @abstractmethod
     def tasks(self, split: str) -> list[Task]:
@@ -146,3 +189,22 @@ class Environment(ABC):
         base model's training data), not their scores. Environments whose scoring is costly (the
         code sandbox) return a view that skips it; the rest return themselves."""
         return self
+
+
+class OracleTraces:
+    """The oracle traces of a run's training tasks, rendered (and so checked) once at start-up:
+    a method that reads them fails before training when the environment has none or a task may
+    not give its out. ``traces(tasks)`` is one trace per task, in order."""
+
+    def __init__(self, env: Environment, tasks, method: str, max_observation_chars: int = 80):
+        env.require_oracle(method)
+        self.method = method
+        self.by_task = {t.task_id: env.oracle_trace(t, max_observation_chars) for t in tasks}
+
+    def __call__(self, tasks) -> list[str]:
+        for task in tasks:
+            if task.task_id not in self.by_task:
+                raise OracleError(f"{self.method}: task {task.task_id} is not a training task of "
+                                  "this run; its oracle trajectory is not given out")
+        return [self.by_task[t.task_id] for t in tasks]
+

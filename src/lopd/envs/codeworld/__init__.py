@@ -83,6 +83,7 @@ def statement_split(seed: int, template: str, statement: str) -> str:
 class CodeWorld(Environment):
     name = "codeworld"
     splits = ("pretrain", "train", "eval")
+    oracle_splits = ("train",)
 
     def __init__(self, seed: int = 0, sizes: dict[str, int] | None = None,
                  reward: str = "fraction", attempts: int = 1, limits: Limits | None = None,

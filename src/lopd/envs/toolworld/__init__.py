@@ -196,6 +196,7 @@ class ToolWorld(Environment):
 
     name = "toolworld"
     splits = ("pretrain", "train", "eval")
+    oracle_splits = ("train",)
 
     def __init__(self, seed: int = 0, sizes: dict[str, int] | None = None,
                  coded_fraction: float = 0.0):
