@@ -160,7 +160,7 @@ def test_removed_and_unknown_options_are_refused(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["compare", "--algos", "base,nope", "--out", "x"])
     assert exit_.value.code == 2
-    assert "choose from ['base', 'grpo', 'lopd']" in capsys.readouterr().err
+    assert "choose from ['base', 'grpo', 'lopd', 'opsd', 'sdft', 'sdpo', 'skill_sd']" in capsys.readouterr().err
 
 
 def test_quickstart_can_build_its_own_base_and_says_when_it_is_too_weak(tmp_path, capsys):

@@ -2,6 +2,7 @@
 run folders, and a whole (tiny) comparison with reuse of finished runs."""
 
 import json
+import re
 
 import pytest
 
@@ -132,7 +133,9 @@ def test_compare_charges_setup_rollouts_from_the_run_folders(tmp_path, monkeypat
 
 
 def test_unknown_algorithms_seeds_and_jobs_are_refused_before_any_run(tmp_path):
-    with pytest.raises(ValueError, match=r"nope: choose from \['base', 'grpo', 'lopd'\]"):
+    with pytest.raises(ValueError, match=re.escape(
+            "algorithms base,nope: choose from ['base', 'grpo', 'lopd', 'opsd', 'sdft', 'sdpo', "
+            "'skill_sd']")):
         cmp.compare("tiny", [], ["base", "nope"], 1, tmp_path / "a")
     with pytest.raises(ValueError, match="seeds must be >= 1"):
         cmp.compare("tiny", [], ["base"], 0, tmp_path / "b")
