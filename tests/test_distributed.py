@@ -37,6 +37,7 @@ def config(inputs, algo, **sets):
               "train.max_steps": 2, "train.eval_every": 2, "train.save_every": 1,
               "rollout.max_turns": 2, "rollout.max_completion_length": 48,
               "rollout.batch_size": 4, "grpo.num_generations": 2,
+              "sdpo.num_generations": 2, "skill_sd.num_generations": 2,
               "composer.num_latents": SPEC.num_latents, "composer.depth": SPEC.depth,
               "composer.max_experience_tokens": SPEC.max_experience_tokens, "bank.n_ret": 2,
               "lopd.composer": str(inputs / "composer"), "lopd.bank": str(inputs / "bank"),
@@ -174,6 +175,20 @@ def test_two_processes_equal_one_process_on_the_same_global_batch(references, tw
     assert state["world_size"] == 2 and state["parallel"] == parallel
     if algo == "lopd":
         assert b[2]["bank/size"] == a[2]["bank/size"] and "delta" in b[2]
+
+
+@pytest.mark.parametrize("algo", ["sdft", "opsd", "sdpo", "skill_sd"])
+def test_the_baselines_in_two_ddp_processes_equal_one_process(references, two_process_runs, algo):
+    """Each baseline keeps state beside the student (an EMA teacher, a frozen θ0, a skill
+    library): two DDP ranks must take the one-process steps and write the same weights."""
+    one, two = references(algo), two_process_runs(algo, "ddp")
+    a, b = metrics(one), metrics(two)
+    assert sorted(a) == sorted(b) == [0, 1, 2]
+    assert_metrics_equal(a, b, [0, 1, 2])
+    assert_weights_equal(weights(one, 1), weights(two, 1))
+    assert_weights_equal(weights(one, 2), weights(two, 2))
+    if algo in ("sdft", "opsd"):  # every rollout has a teacher signal: the steps really move
+        assert a[2]["student/grad_norm"] > 0
 
 
 def test_micro_batches_under_ddp_equal_one_pass(references, two_process_runs):
