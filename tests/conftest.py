@@ -33,7 +33,9 @@ def make_lopd_inputs(root):
     from lopd.experience import EmbedderSpec, ExperienceBank, load_embedder
 
     model, tokenizer = models.load_model("toolworld-1m")
-    env = get_env("toolworld", seed=0, sizes={"train": 40, "eval": 4, "pretrain": 0})
+    # The tiny preset's environment (coded requests), so the bank holds the instructions its runs see.
+    env = get_env("toolworld", seed=0, sizes={"train": 40, "eval": 4, "pretrain": 0},
+                  coded_fraction=1.0)
     tasks = env.tasks("train")
     rollouts = agent.run_episodes(env, tasks, agent.OraclePolicy(), tokenizer, max_turns=8,
                                   max_new_tokens=96, batch_size=40)
