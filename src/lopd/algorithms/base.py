@@ -395,3 +395,43 @@ def require_unsharded(algorithm: Algorithm, what: str) -> None:
         raise ConfigError(f"{algorithm.name} keeps {what} next to the student, which "
                           "train.parallel=fsdp2 shards; use train.parallel=ddp")
 
+
+class EMATeacherMethod:
+    """For a method whose teacher is an EMA copy of the student (SDFT, SDPO); mix in before
+    :class:`Algorithm`. :meth:`init_ema` makes the copy (or restores it from the checkpoint);
+    :meth:`ema_follow` moves it after a student update that was applied (a skipped, non-finite
+    update moves neither); its weights and update count are part of every checkpoint."""
+
+    EMA_DIR = "ema_teacher"
+
+    def init_ema(self, rate: float, checkpoint: Path | None):
+        from lopd.teacher import EMATeacher
+
+        require_unsharded(self, "a full EMA copy of the student")
+        # The student as loaded: the base model at step 0, the checkpoint's student on resume,
+        # whose EMA then comes from the checkpoint.
+        self.ema = EMATeacher(self.ctx.student, rate)
+        if checkpoint is not None:
+            self.ema.load(checkpoint / self.EMA_DIR)
+        self.ema_updates = 0
+        return self.ema
+
+    def ema_mark(self) -> int:
+        """Taken in ``before_step``: the student updater's skip count before the update."""
+        return self.ctx.student_updater.skipped
+
+    def ema_follow(self, mark: int) -> dict:
+        """In ``after_update``: one EMA step if the student's update was applied."""
+        if self.ctx.student_updater.skipped == mark:
+            self.ema.update()
+            self.ema_updates += 1
+        return {"ema/updates": self.ema_updates}
+
+    def state_dict(self) -> dict:
+        return {"ema_updates": self.ema_updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ema_updates = state["ema_updates"]
+
+    def save(self, folder: Path) -> None:
+        self.ema.save(folder / self.EMA_DIR)

@@ -37,11 +37,11 @@ from typing import Literal
 
 from lopd import losses
 from lopd.algorithms import register
-from lopd.algorithms.base import (Algorithm, LossTerms, MicroBatch, Panel, Scores, StepBatch, Totals,
-                                  distillation_loss, require_unsharded)
+from lopd.algorithms.base import (Algorithm, EMATeacherMethod, LossTerms, MicroBatch, Panel, Scores,
+                                  StepBatch, Totals, distillation_loss)
 from lopd.config import knob
 from lopd.envs.environment import OracleTraces
-from lopd.teacher import EMATeacher, text_view
+from lopd.teacher import text_view
 
 DEMONSTRATION_PREFIX = "A correct solution of this task, as a demonstration:\n"
 """Framing of the demonstration block (followed by the oracle's compact trace)."""
@@ -62,30 +62,21 @@ class SDFTConfig:
 
 
 @register
-class SDFT(Algorithm):
+class SDFT(EMATeacherMethod, Algorithm):
     name = "sdft"
     config_class = SDFTConfig
-
-    EMA_DIR = "ema_teacher"
 
     def __init__(self, ctx, checkpoint: Path | None):
         super().__init__(ctx, checkpoint)
         self.spec = ctx.cfg.sdft
-        require_unsharded(self, "a full EMA copy of the student")
         self.oracle = OracleTraces(ctx.env, ctx.train_tasks.values(), self.name,
                                    ctx.cfg.bank.max_observation_chars)
-        # The student as loaded: the base model at step 0, the checkpoint's student on resume,
-        # whose EMA then comes from the checkpoint.
-        self.ema = EMATeacher(ctx.student, self.spec.ema_rate)
-        if checkpoint is not None:
-            self.ema.load(checkpoint / self.EMA_DIR)
-        self.teacher = text_view(self.ema.model, ctx.tokenizer, self.spec.placement,
-                                 DEMONSTRATION_PREFIX)
-        self.ema_updates = 0
+        ema = self.init_ema(self.spec.ema_rate, checkpoint)
+        self.teacher = text_view(ema.model, ctx.tokenizer, self.spec.placement, DEMONSTRATION_PREFIX)
 
     def before_step(self, batch: StepBatch) -> dict:
         return {"teacher_context": [[trace] for trace in self.oracle(batch.tasks)],
-                "skipped_before": self.ctx.student_updater.skipped}
+                "ema_mark": self.ema_mark()}
 
     def loss(self, micro: MicroBatch, scores: Scores, state: dict, totals: Totals) -> LossTerms:
         top_m = self.spec.top_m
@@ -94,21 +85,9 @@ class SDFT(Algorithm):
             scores, totals)
 
     def after_update(self, batch: StepBatch, state: dict, figures: dict) -> dict:
-        if self.ctx.student_updater.skipped == state["skipped_before"]:
-            self.ema.update()
-            self.ema_updates += 1
-        return {"ema/updates": self.ema_updates}
+        return self.ema_follow(state["ema_mark"])
 
     def panels(self) -> list[Panel]:
         return [Panel("forward KL(teacher ‖ student), top-M + tail", ("kl",)),
                 Panel("teacher's gain on the actions (nats/token)", ("teacher_gain",))]
-
-    def state_dict(self) -> dict:
-        return {"ema_updates": self.ema_updates}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.ema_updates = state["ema_updates"]
-
-    def save(self, folder: Path) -> None:
-        self.ema.save(folder / self.EMA_DIR)
 

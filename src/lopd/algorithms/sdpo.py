@@ -74,10 +74,10 @@ import torch
 
 from lopd import losses
 from lopd.algorithms import register
-from lopd.algorithms.base import (Algorithm, LossTerms, MicroBatch, Panel, Scores, StepBatch, Totals,
-                                  distillation_loss, require_unsharded)
+from lopd.algorithms.base import (Algorithm, EMATeacherMethod, LossTerms, MicroBatch, Panel, Scores,
+                                  StepBatch, Totals, distillation_loss)
 from lopd.config import ConfigError, knob
-from lopd.teacher import EMATeacher, text_view
+from lopd.teacher import text_view
 
 SIBLING_PREFIX = "A successful attempt at this task, as a demonstration:\n"
 """Framing of the sibling's trace in the teacher's prompt."""
@@ -125,24 +125,17 @@ def sibling_sources(successes: Sequence[bool], group_size: int) -> list[int | No
 
 
 @register
-class SDPO(Algorithm):
+class SDPO(EMATeacherMethod, Algorithm):
     name = "sdpo"
     config_class = SDPOConfig
-
-    EMA_DIR = "ema_teacher"
 
     def __init__(self, ctx, checkpoint: Path | None):
         super().__init__(ctx, checkpoint)
         self.spec = ctx.cfg.sdpo
         self.group_size = self.spec.num_generations
-        require_unsharded(self, "a full EMA copy of the student")
         self.max_observation_chars = ctx.cfg.bank.max_observation_chars
-        self.ema = EMATeacher(ctx.student, self.spec.ema_rate)
-        if checkpoint is not None:
-            self.ema.load(checkpoint / self.EMA_DIR)
-        self.teacher = text_view(self.ema.model, ctx.tokenizer, self.spec.placement,
-                                 SIBLING_PREFIX)
-        self.ema_updates = 0
+        ema = self.init_ema(self.spec.ema_rate, checkpoint)
+        self.teacher = text_view(ema.model, ctx.tokenizer, self.spec.placement, SIBLING_PREFIX)
 
     def before_step(self, batch: StepBatch) -> dict:
         size = self.group_size
@@ -161,8 +154,7 @@ class SDPO(Algorithm):
             tokens = self.world.sum(tokens)
         return {"teacher_context": context, "signal": signal.to(self.device),
                 "signal_tokens": int(round(tokens["signal_tokens"])),
-                "without_sibling": 1.0 - signal.mean().item(),
-                "skipped_before": self.ctx.student_updater.skipped}
+                "without_sibling": 1.0 - signal.mean().item(), "ema_mark": self.ema_mark()}
 
     def loss(self, micro: MicroBatch, scores: Scores, state: dict, totals: Totals) -> LossTerms:
         alpha, top_k = self.spec.alpha, self.spec.top_k
@@ -172,22 +164,11 @@ class SDPO(Algorithm):
             scores, totals, token_weights=weights, denominator=state["signal_tokens"])
 
     def after_update(self, batch: StepBatch, state: dict, figures: dict) -> dict:
-        if self.ctx.student_updater.skipped == state["skipped_before"]:
-            self.ema.update()
-            self.ema_updates += 1
-        return {"ema/updates": self.ema_updates, "sdpo/without_sibling": state["without_sibling"]}
+        return {**self.ema_follow(state["ema_mark"]),
+                "sdpo/without_sibling": state["without_sibling"]}
 
     def panels(self) -> list[Panel]:
         return [Panel("JSD_α(student, teacher), top-k + tail", ("kl",)),
                 Panel("share of rollouts without a successful sibling",
                       ("sdpo/without_sibling",)),
                 Panel("teacher's gain on the actions (nats/token)", ("teacher_gain",))]
-
-    def state_dict(self) -> dict:
-        return {"ema_updates": self.ema_updates}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.ema_updates = state["ema_updates"]
-
-    def save(self, folder: Path) -> None:
-        self.ema.save(folder / self.EMA_DIR)
