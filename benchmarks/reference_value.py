@@ -32,6 +32,7 @@ from lopd import agent, pipeline
 from lopd.algorithms import cold_start as cs
 from lopd.composer import Composer
 from lopd.config import load_config
+from lopd.experience import ExperienceBank
 from lopd.latent import ReferenceFormat
 from lopd.tables import format_table, write_json
 
@@ -73,7 +74,8 @@ def main() -> None:
     n_ret = cfg.bank.n_ret
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory() as tmp, pipeline.open_bank(cfg, args.bank) as source, \
-            pipeline.open_bank(cfg, source.snapshot(Path(tmp) / "bank")) as bank:
+            ExperienceBank.open(source.snapshot(Path(tmp) / "bank"),
+                                embedder=source.embedder) as bank:
         bank.withhold(t.task_id for t in tasks)   # a copy: the given bank is not changed
         composer = Composer.load(args.composer, model, tokenizer)
         fmt = ReferenceFormat.for_tokenizer(tokenizer)

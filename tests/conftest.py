@@ -80,3 +80,26 @@ def junk_and_gold_batch(t, n_tasks, step=1):
     gold = agent.run_episodes(t.env, tasks, agent.OraclePolicy(), tok, 8, 96, n_tasks)
     return StepBatch(step, [task for task in tasks for _ in range(2)],
                      [r for pair in zip(junk, gold) for r in pair])
+
+
+def resume_keeps_the_ema_teacher(build, tmp_path, sets):
+    """Train 4 steps whole and 2 + resume to 4 with ``build(run_dir, resume=..., **sets)``; assert
+    the resumed run restored its EMA teacher (not a copy of the resumed student) and ends with the
+    uninterrupted run's EMA weights and update count. Returns (whole, cut) metrics by step."""
+    from lopd import trainer
+
+    whole = build(tmp_path / "whole", **{"train.max_steps": 4, **sets})
+    whole.run()
+    build(tmp_path / "cut", **{"train.max_steps": 2, **sets}).run()
+    resumed = build(tmp_path / "cut", resume=True, **{"train.max_steps": 4, **sets})
+    # Restored, not rebuilt from the resumed student.
+    assert any(not torch.equal(a, b) for a, b in zip(resumed.algorithm.ema.model.parameters(),
+                                                     resumed.ctx.student.parameters()))
+    resumed.run()
+    for a, b in zip(whole.algorithm.ema.model.parameters(),
+                    resumed.algorithm.ema.model.parameters()):
+        assert torch.allclose(a, b, rtol=0, atol=1e-7)
+    assert resumed.algorithm.ema_updates == whole.algorithm.ema_updates == 4
+    return tuple({r["step"]: r for r in trainer.read_jsonl(tmp_path / name / trainer.METRICS_FILE)}
+                 for name in ("whole", "cut"))
+

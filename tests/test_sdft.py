@@ -8,7 +8,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from conftest import junk_and_gold_batch, small_config
+from conftest import junk_and_gold_batch, resume_keeps_the_ema_teacher, small_config
 from lopd import losses, models, pipeline, trainer
 from lopd.algorithms import get_algorithm
 from lopd.algorithms.base import micro_batches
@@ -157,19 +157,7 @@ def test_validation_tasks_never_give_out_their_oracle(tmp_path):
 def test_a_resumed_run_has_the_uninterrupted_runs_ema_teacher(tmp_path):
     sets = {"train.eval_every": 100, "train.save_every": 2, "train.learning_rate": 1e-3,
             "sdft.ema_rate": 0.2}
-    whole = build(tmp_path / "whole", **{"train.max_steps": 4, **sets})
-    whole.run()
-    build(tmp_path / "cut", **{"train.max_steps": 2, **sets}).run()
-    resumed = build(tmp_path / "cut", resume=True, **{"train.max_steps": 4, **sets})
-    # Restored, not rebuilt from the resumed student.
-    assert any(not torch.equal(a, b) for a, b in zip(resumed.algorithm.ema.model.parameters(),
-                                                     resumed.ctx.student.parameters()))
-    resumed.run()
-    for a, b in zip(whole.algorithm.ema.model.parameters(), resumed.algorithm.ema.model.parameters()):
-        assert torch.allclose(a, b, rtol=0, atol=1e-7)
-    assert resumed.algorithm.ema_updates == whole.algorithm.ema_updates == 4
-    a = {r["step"]: r for r in trainer.read_jsonl(tmp_path / "whole" / trainer.METRICS_FILE)}
-    b = {r["step"]: r for r in trainer.read_jsonl(tmp_path / "cut" / trainer.METRICS_FILE)}
+    a, b = resume_keeps_the_ema_teacher(build, tmp_path, sets)
     for step in (3, 4):
         for key in ("kl", "teacher_gain", "train/mean_reward", "action_tokens"):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-5, abs=1e-7), (step, key)

@@ -9,7 +9,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from conftest import small_config
+from conftest import resume_keeps_the_ema_teacher, small_config
 from lopd import agent, losses, models, trainer
 from lopd.algorithms import get_algorithm
 from lopd.algorithms.base import StepBatch, Totals, micro_batches
@@ -186,19 +186,7 @@ def test_micro_batched_sdpo_step_equals_the_one_batch_step(tmp_path):
 def test_a_resumed_run_has_the_uninterrupted_runs_ema_teacher(tmp_path):
     sets = {"train.eval_every": 100, "train.save_every": 2, "train.learning_rate": 1e-3,
             "sdpo.ema_rate": 0.2, "env.train_size": 4}
-    whole = build(tmp_path / "whole", **{"train.max_steps": 4, **sets})
-    whole.run()
-    build(tmp_path / "cut", **{"train.max_steps": 2, **sets}).run()
-    resumed = build(tmp_path / "cut", resume=True, **{"train.max_steps": 4, **sets})
-    assert any(not torch.equal(a, b) for a, b in zip(resumed.algorithm.ema.model.parameters(),
-                                                     resumed.ctx.student.parameters()))
-    resumed.run()
-    for a, b in zip(whole.algorithm.ema.model.parameters(),
-                    resumed.algorithm.ema.model.parameters()):
-        assert torch.allclose(a, b, rtol=0, atol=1e-7)
-    assert resumed.algorithm.ema_updates == whole.algorithm.ema_updates == 4
-    a = {r["step"]: r for r in trainer.read_jsonl(tmp_path / "whole" / trainer.METRICS_FILE)}
-    b = {r["step"]: r for r in trainer.read_jsonl(tmp_path / "cut" / trainer.METRICS_FILE)}
+    a, b = resume_keeps_the_ema_teacher(build, tmp_path, sets)
     assert any(a[s]["kl"] > 0 for s in (3, 4))
     for step in (3, 4):
         for key in ("kl", "teacher_gain", "sdpo/without_sibling", "train/mean_reward"):

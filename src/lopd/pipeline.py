@@ -532,6 +532,7 @@ def cold_start(cfg: Config, bank_dir: str | Path, out: str | Path, model_path: s
     import tempfile
 
     from lopd import runtime
+    from lopd.experience import ExperienceBank
 
     device = runtime.setup(cfg.run)
     model_path = model_path or cfg.model.name_or_path
@@ -545,17 +546,19 @@ def cold_start(cfg: Config, bank_dir: str | Path, out: str | Path, model_path: s
                           f"{len(train_tasks)}")
     validation = train_tasks[len(train_tasks) - n_val:] if n_val else []
     model, tokenizer = load_model(cfg, model_path, device)
-    with tempfile.TemporaryDirectory(prefix="lopd-cold-start-") as tmp:
-        bank_view = bank_dir
-        if validation:
-            # The user's bank is never changed: the carve-out is withheld from a copy.
-            with open_bank(cfg, bank_dir, device) as source:
-                bank_view = source.snapshot(Path(tmp) / "bank")
-        with open_bank(cfg, bank_view, device) as bank:
+    with tempfile.TemporaryDirectory(prefix="lopd-cold-start-") as tmp, \
+            open_bank(cfg, bank_dir, device) as source:
+        # The user's bank is never changed: the carve-out is withheld from a copy, opened with
+        # the embedder already loaded.
+        bank = ExperienceBank.open(source.snapshot(Path(tmp) / "bank"),
+                                   embedder=source.embedder) if validation else source
+        try:
             bank.withhold(t.task_id for t in validation)
-            figures = _fit_composer(cfg, bank, bank_dir, out, model, tokenizer, env, validation,
-                                    n_ret, progress)
-    return figures
+            return _fit_composer(cfg, bank, bank_dir, out, model, tokenizer, env, validation,
+                                 n_ret, progress)
+        finally:
+            if bank is not source:
+                bank.close()
 
 
 def _fit_composer(cfg: Config, bank, bank_dir, out: Path, model, tokenizer, env, validation: list,
