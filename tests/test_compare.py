@@ -180,3 +180,32 @@ def test_a_tiny_comparison_runs_and_reuses_finished_runs(tmp_path, monkeypatch):
                         lambda *a, **k: pytest.fail("should reuse the finished run"))
     again = cmp.compare("tiny", sets, ["base", "grpo", "lopd"], 2, out, {"grpo": 3e-4})
     assert again["per_seed"] == json.loads((out / "results.json").read_text())["per_seed"]
+    # --transfer scores the base and every final student on another environment's eval split:
+    # the last checkpoint's student of each run, cached next to the run, one column in the table.
+    scored = []
+    real = pipeline.evaluate_agent
+
+    def spy(cfg, agent, model_path, split, *a, **k):
+        scored.append((cfg.env.name, str(model_path), split))
+        return real(cfg, agent, model_path, split, *a, **k)
+
+    monkeypatch.setattr(pipeline, "evaluate_agent", spy)
+    moved = cmp.compare("tiny", sets, ["base", "grpo", "lopd"], 2, out, {"grpo": 3e-4},
+                        transfer=["codeworld"])
+    students = [str(out / a / f"seed{s}" / "checkpoints" / "step-000002" / "student")
+                for a in ("grpo", "lopd") for s in (0, 1)]
+    assert scored == [("codeworld", "toolworld-1m", "eval")] + \
+        [("codeworld", path, "eval") for path in students]
+    for algo in ("grpo", "lopd"):
+        for seed in (0, 1):
+            cached = json.loads((out / algo / f"seed{seed}" / "transfer-codeworld.json").read_text())
+            assert cached["metric"] == "pass@1" and cached["tasks"] == 4
+            assert moved["per_seed"][algo]["transfer"]["codeworld"][seed] == cached["score"]
+    assert "| codeworld pass@1 |" in (out / "results.md").read_text()
+    assert moved["per_seed"]["grpo"]["mean_reward"] == again["per_seed"]["grpo"]["mean_reward"]
+    # Scored once: a re-run reads the caches.
+    monkeypatch.setattr(pipeline, "evaluate_agent", lambda *a, **k: pytest.fail("cached"))
+    cmp.compare("tiny", sets, ["base", "grpo", "lopd"], 2, out, {"grpo": 3e-4},
+                transfer=["codeworld"])
+    with pytest.raises(ValueError, match="transfer environments nope: choose from"):
+        cmp.compare("tiny", sets, ["base"], 1, out, transfer=["nope"])

@@ -55,7 +55,7 @@ def cmd_compare(args) -> int:
 
     out = Path(args.out)
     report = compare(args.config, lopd_input_overrides(args), args.algos, args.seeds, out,
-                     _learning_rates(args.lr), jobs=args.jobs)
+                     _learning_rates(args.lr), jobs=args.jobs, transfer=args.transfer)
     print((out / "results.md").read_text())
     print(f"figures: {out / 'reward_vs_generations.png'}; all numbers: {out / 'results.json'}")
     write_json(args.json_path, report)
@@ -140,6 +140,10 @@ def register(sub) -> None:
     p.add_argument("--out", required=True, help="folder of the comparison")
     p.add_argument("--lr", action="append", default=[], metavar="ALGO=RATE",
                    help="learning rate of one algorithm (its best from the validation sweep)")
+    p.add_argument("--transfer", default=[], type=lambda text: [e for e in text.split(",") if e],
+                   metavar="ENVS", help="also score the base and every final student, greedy, on "
+                   "these environments' eval splits (e.g. humaneval after codeworld): one more "
+                   "column each")
 
     p = add_command(sub, "sweep", cmd_sweep,
                     "learning-rate sweep on a validation split of training tasks",

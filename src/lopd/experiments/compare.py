@@ -23,6 +23,11 @@ reaches that reward, interpolated linearly between the two evaluations that brac
 noisy seed touching it does not count). It is reported two ways: training rollouts only, crossing /
 GRPO's training rollouts; and with setup, (LOPD's setup + crossing) / (GRPO's setup + training
 rollouts). Both are None when LOPD never reaches the reward or one of the two methods was not run.
+
+``transfer`` names other environments (e.g. ``humaneval`` after training on codeworld): the base
+and every run's final student are also scored, greedy, on each one's eval split (pass@1 for code
+environments, mean reward otherwise) and the table gains a column per environment. The scores are
+cached next to each run (``transfer-ENV.json``), so a re-run only scores what is new.
 """
 
 from __future__ import annotations
@@ -126,10 +131,49 @@ def evaluate_base(cfg: Config, out: Path) -> dict:
     return summary
 
 
+def check_transfer(envs: list[str]) -> None:
+    """Refuse an environment name that is not registered, before any run starts."""
+    from lopd.envs import REGISTRY
+
+    unknown = [e for e in envs if e not in REGISTRY]
+    if unknown:
+        raise ValueError(f"transfer environments {','.join(unknown)}: choose from "
+                         f"{sorted(REGISTRY)}")
+
+
+def transfer_score(config: str | Path, overrides: list[str], model_path: str | Path,
+                   env_name: str, cache: Path) -> dict:
+    """Greedy score of the model at ``model_path`` on ``env_name``'s eval split, under the
+    comparison's config with ``env.name`` replaced (cached in ``cache``): ``score`` is pass@1 for
+    code environments and the mean reward otherwise."""
+    if cache.exists():
+        return json.loads(cache.read_text())
+    cfg = load_config(config, [*overrides, f"env.name={env_name}"])
+    summary, _ = pipeline.evaluate_agent(cfg, "model", str(model_path), "eval")
+    code = env_name in pipeline.CODE_ENVS
+    record = {"env": env_name, "model": str(model_path),
+              "metric": "pass@1" if code else "mean reward",
+              "score": summary["pass_at_k"]["pass@1"] if code else summary["mean_reward"],
+              "mean_reward": summary["mean_reward"], "tasks": summary["tasks"],
+              "seconds": summary["seconds"]}
+    cache.write_text(json.dumps(record, indent=1))
+    return record
+
+
+def final_student(run_dir: Path) -> Path:
+    """The student folder of a finished run's last checkpoint."""
+    done = checkpoints(run_dir)
+    if not done:
+        raise FileNotFoundError(f"{run_dir} has no checkpoint: it cannot be scored elsewhere")
+    return done[-1] / "student"
+
+
 def compare(config: str | Path, overrides: list[str], algos: list[str], seeds: int, out: Path,
-            learning_rates: dict[str, float] | None = None, jobs: int = 1) -> dict:
+            learning_rates: dict[str, float] | None = None, jobs: int = 1,
+            transfer: list[str] = ()) -> dict:
     """See the module docstring; ``jobs`` > 1 trains that many runs at once in subprocesses."""
     check_algos(algos)
+    check_transfer(list(transfer))
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")
     if jobs < 1:
@@ -150,6 +194,11 @@ def compare(config: str | Path, overrides: list[str], algos: list[str], seeds: i
             results[BASE] = {"mean_reward": [summary["mean_reward"]] * seeds,
                              "success_rate": [summary["success_rate"]] * seeds,
                              "generations": 0, "setup_generations": 0, "charged_generations": 0}
+            base_model = run_config(config, overrides, "lopd", 0, {}).model.name_or_path
+            results[BASE]["transfer"] = {
+                env: [transfer_score(config, overrides, base_model, env,
+                                     out / BASE / f"transfer-{env}.json")["score"]] * seeds
+                for env in transfer}
             continue
         per_seed = []
         for seed in range(seeds):
@@ -171,16 +220,22 @@ def compare(config: str | Path, overrides: list[str], algos: list[str], seeds: i
                          "charged_generations": max(setups) + finals[0]["generations"],
                          "learning_rate": run_config(config, overrides, algo, 0,
                                                      learning_rates).train.learning_rate}
+        results[algo]["transfer"] = {
+            env: [transfer_score(config, overrides, final_student(run_dir), env,
+                                 run_dir / f"transfer-{env}.json")["score"]
+                  for run_dir in (out / algo / f"seed{seed}" for seed in range(seeds))]
+            for env in transfer}
     table = {algo: {"mean_reward": _mean_std(r["mean_reward"]),
                     "success_rate": _mean_std(r["success_rate"]),
                     "generations": r["generations"], "setup_generations": r["setup_generations"],
                     "charged_generations": r["charged_generations"],
-                    "learning_rate": r.get("learning_rate")}
+                    "learning_rate": r.get("learning_rate"),
+                    "transfer": {env: _mean_std(v) for env, v in r.get("transfer", {}).items()}}
              for algo, r in results.items()}
     ratio = rollout_ratio(curves, {a: r["setup_generations"] for a, r in results.items()})
     report = {"seeds": seeds, "algos": algos, "per_seed": results, "summary": table,
               "rollout_ratio": ratio, "notes": notes, "config": str(config),
-              "overrides": overrides}
+              "overrides": overrides, "transfer": list(transfer)}
     (out / "results.json").write_text(json.dumps(report, indent=1))
     (out / "results.md").write_text(markdown(table, seeds, ratio, notes))
     plot(curves, results, ratio, out / "reward_vs_generations.png")
@@ -243,13 +298,19 @@ def _number(value: float | None, digits: int = 3) -> str:
 
 
 def markdown(table: dict, seeds: int, ratio: dict, notes: list[str] = ()) -> str:
-    lines = ["| method | held-out mean reward | held-out success rate | training rollouts | "
-             "setup rollouts | charged | lr |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    envs = list(next(iter(table.values()), {}).get("transfer", {}))
+    columns = [f"{env} {'pass@1' if env in pipeline.CODE_ENVS else 'mean reward'}"
+               for env in envs]
+    lines = ["| " + " | ".join(["method", "held-out mean reward", "held-out success rate",
+                                *columns, "training rollouts", "setup rollouts", "charged",
+                                "lr"]) + " |",
+             "|" + " --- |" * (7 + len(columns))]
     for algo, row in table.items():
         (rm, rs), (sm, ss) = row["mean_reward"], row["success_rate"]
         lr = f"{row['learning_rate']:g}" if row["learning_rate"] else "-"
-        lines.append(f"| {algo} | {rm:.4f} ± {rs:.4f} | {sm:.4f} ± {ss:.4f} | "
+        moved = "".join(f" {m:.4f} ± {sd:.4f} |" for m, sd in
+                        (row.get("transfer", {})[env] for env in envs))
+        lines.append(f"| {algo} | {rm:.4f} ± {rs:.4f} | {sm:.4f} ± {ss:.4f} |{moved} "
                      f"{row['generations']} | {row['setup_generations']} | "
                      f"{row['charged_generations']} | {lr} |")
     lines.append("")
