@@ -12,8 +12,9 @@ bank-building rollouts and any cold-start sampling; GRPO: none), read from its e
 runs written before they carried the field) and the same for every seed (if not, the largest is
 charged and ``results.json`` says so); *charged* is their sum.
 
-Outputs in ``OUT``: ``results.json``, ``results.md`` (final held-out mean reward and success rate,
-mean ± population std over seeds, and the three rollout counts) and ``reward_vs_generations.png``
+Outputs in ``OUT``: ``results.json`` (also each seed's final mean reward per domain),
+``results.md`` (final held-out mean reward and success rate, mean ± population std over seeds, and
+the three rollout counts) and ``reward_vs_generations.png``
 (held-out reward, mean over seeds with the min-max band, against training rollouts on the left and
 against charged rollouts on the right, where each curve starts at its setup rollouts).
 
@@ -194,6 +195,9 @@ def compare(config: str | Path, overrides: list[str], algos: list[str], seeds: i
             results[BASE] = {"mean_reward": [summary["mean_reward"]] * seeds,
                              "success_rate": [summary["success_rate"]] * seeds,
                              "generations": 0, "setup_generations": 0, "charged_generations": 0}
+            results[BASE]["per_domain"] = {
+                domain: [row["mean_reward"]] * seeds
+                for domain, row in summary.get("per_domain", {}).items()}
             base_model = run_config(config, overrides, "lopd", 0, {}).model.name_or_path
             results[BASE]["transfer"] = {
                 env: [transfer_score(config, overrides, base_model, env,
@@ -220,6 +224,9 @@ def compare(config: str | Path, overrides: list[str], algos: list[str], seeds: i
                          "charged_generations": max(setups) + finals[0]["generations"],
                          "learning_rate": run_config(config, overrides, algo, 0,
                                                      learning_rates).train.learning_rate}
+        results[algo]["per_domain"] = {
+            domain: [f.get("per_domain", {}).get(domain, {}).get("mean_reward") for f in finals]
+            for domain in finals[0].get("per_domain", {})}
         results[algo]["transfer"] = {
             env: [transfer_score(config, overrides, final_student(run_dir), env,
                                  run_dir / f"transfer-{env}.json")["score"]
