@@ -209,3 +209,27 @@ def test_a_tiny_comparison_runs_and_reuses_finished_runs(tmp_path, monkeypatch):
                 transfer=["codeworld"])
     with pytest.raises(ValueError, match="transfer environments nope: choose from"):
         cmp.compare("tiny", sets, ["base"], 1, out, transfer=["nope"])
+
+
+def test_a_run_made_before_a_setting_existed_is_reused_at_that_settings_default(tmp_path):
+    """A saved config without a section added later (here sdpo's) is the same run when the wanted
+    config holds that section's defaults; a non-default value or a changed value is refused, and
+    the error names the keys."""
+    import yaml
+
+    from lopd.experiments.runs import check_reusable
+    from lopd.trainer import CONFIG_FILE, write_config
+
+    cfg = cmp.run_config("tiny", ["train.max_steps=2"], "grpo", 0, {})
+    run = tmp_path / "run"
+    run.mkdir()
+    write_config(cfg, run / CONFIG_FILE)
+    saved = yaml.safe_load((run / CONFIG_FILE).read_text())
+    del saved["sdpo"]
+    (run / CONFIG_FILE).write_text(yaml.safe_dump(saved, sort_keys=False))
+    check_reusable(cfg, run)  # sdpo at its defaults: the old run behaved the same
+    with pytest.raises(ValueError, match=re.escape("(sdpo.alpha)")):
+        check_reusable(cmp.run_config("tiny", ["train.max_steps=2", "sdpo.alpha=0.9"], "grpo", 0,
+                                      {}), run)
+    with pytest.raises(ValueError, match=re.escape("(train.max_steps)")):
+        check_reusable(cmp.run_config("tiny", ["train.max_steps=3"], "grpo", 0, {}), run)

@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 from lopd import pipeline
-from lopd.config import Config
+from lopd.config import Config, load_config
 from lopd.trainer import CONFIG_FILE, EVAL_FILE, checkpoints, read_jsonl
 
 
@@ -31,15 +31,45 @@ def finished(run_dir: Path, max_steps: int) -> bool:
     return any(r["step"] == max_steps for r in read_evals(run_dir))
 
 
+def config_differences(saved: dict, wanted: dict, defaults: dict, prefix: str = "") -> list[str]:
+    """Dotted keys where a saved run config and the wanted one disagree. A key the saved config
+    lacks (a setting added to lopd after the run was made) counts as agreeing when the wanted value
+    is the setting's default: the run behaved as that default does."""
+    keys = []
+    for key in [*saved, *(k for k in wanted if k not in saved)]:
+        name = f"{prefix}{key}"
+        default = defaults.get(key) if isinstance(defaults, dict) else None
+        if key not in saved and isinstance(wanted[key], dict):
+            keys.extend(config_differences({}, wanted[key], default or {}, f"{name}."))
+        elif key not in saved:
+            if wanted[key] != default:
+                keys.append(name)
+        elif key not in wanted:
+            keys.append(name)
+        elif isinstance(saved[key], dict) and isinstance(wanted[key], dict):
+            keys.extend(config_differences(saved[key], wanted[key], default or {}, f"{name}."))
+        elif saved[key] != wanted[key]:
+            keys.append(name)
+    return keys
+
+
 def check_reusable(cfg: Config, run_dir: Path) -> None:
-    """A run folder made with a different config is never reused or resumed: that would mix runs."""
+    """A run folder made with a different config is never reused or resumed: that would mix runs.
+    Settings added to lopd since the run was made are taken at their defaults."""
     import yaml
 
     saved = Path(run_dir) / CONFIG_FILE
-    if saved.exists() and yaml.safe_load(saved.read_text()) != yaml.safe_load(
-            yaml.safe_dump(cfg.to_dict(), sort_keys=False)):
+    if not saved.exists():
+        return
+
+    def plain(c: Config) -> dict:
+        return yaml.safe_load(yaml.safe_dump(c.to_dict(), sort_keys=False))
+
+    differ = config_differences(yaml.safe_load(saved.read_text()), plain(cfg), plain(load_config(None)))
+    if differ:
+        shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
         raise ValueError(f"{run_dir} holds a run with a different config than this experiment "
-                         "asks for; move it away or use another --out")
+                         f"asks for ({shown}); move it away or use another --out")
 
 
 def train_or_reuse(cfg: Config, run_dir: Path, algo: str) -> None:
