@@ -170,6 +170,12 @@ def test_cold_start_validation_carve_out_is_withheld_and_measured_per_epoch(inpu
     assert figures["held_out_successes"] > 0
     assert [r["epoch"] for r in figures["per_epoch"]] == [1, 2]
     assert (tmp_path / "composer" / "epochs" / "epoch-1" / "composer.json").is_file()
+    # Each epoch's snapshot carries the cold start's record: a run on it is charged the samples.
+    import json
+
+    snapshot = json.loads((tmp_path / "composer" / "epochs" / "epoch-1" / "cold_start.json")
+                          .read_text())
+    assert snapshot["snapshot_epoch"] == 1 and snapshot["figures"]["rollouts_sampled"] == 8
     assert figures["best_epoch_by_retrieved_nll"] in (1, 2)
     with ExperienceBank.open(inputs / "bank") as source:  # the user's bank is unchanged
         assert len(source) == n and source.withheld == frozenset()

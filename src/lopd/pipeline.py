@@ -635,6 +635,12 @@ def _fit_composer(cfg: Config, bank, bank_dir, out: Path, model, tokenizer, env,
                "by_request_kind": groups, "per_epoch": per_epoch,
                "best_epoch_by_retrieved_nll": best}
     cs.save_history(history, out, {"config": cfg.to_dict(), "figures": figures})
+    for row in per_epoch:
+        # An epoch's snapshot is a product of this cold start: it carries the record, so a run
+        # using it is charged the same sampled rollouts.
+        (out / "epochs" / f"epoch-{row['epoch']}" / "cold_start.json").write_text(json.dumps(
+            {"config": cfg.to_dict(), "figures": figures, "snapshot_epoch": row["epoch"]},
+            indent=1))
     return figures
 
 
