@@ -26,11 +26,11 @@ def build(run_dir, algo="sdpo", resume=False, **sets):
     return trainer.Trainer(cfg, run_dir, get_algorithm(algo), resume=resume, progress=False)
 
 
-def group_batch(t, patterns, step=1):
-    """A step of one group per pattern: for the step's i-th task, a rollout per letter of
-    ``patterns[i]`` — ``g`` the oracle's (a success), ``j`` a random policy's (a failure; the k-th
-    junk of a group uses seed k, so junk rollouts differ)."""
-    tasks = trainer.tasks_for_step(t.train_tasks, 0, step, len(patterns))
+def group_batch(t, patterns, step=1, tasks=None):
+    """A step of one group per pattern: for the step's i-th task (or ``tasks[i]``), a rollout per
+    letter of ``patterns[i]`` — ``g`` the oracle's (a success), ``j`` a random policy's (a failure;
+    the k-th junk of a group uses seed k, so junk rollouts differ)."""
+    tasks = tasks or trainer.tasks_for_step(t.train_tasks, 0, step, len(patterns))
     tok = t.ctx.tokenizer
     gold = agent.run_episodes(t.env, tasks, agent.OraclePolicy(), tok, 8, 96, len(tasks))
     junk = [agent.run_episodes(t.env, tasks, agent.RandomPolicy(seed=k), tok, 3, 48, len(tasks))

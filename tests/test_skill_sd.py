@@ -100,12 +100,12 @@ def prefill(alg, batch, group=0):
     task = batch.tasks[group * g]
     gold = next(r for r in batch.rollouts[group * g:(group + 1) * g] if r.success)
     text = skill_summary(gold.compact_trace(alg.max_observation_chars))
-    alg.library.add(task.task_id, text)
+    alg.library.add(alg.pool_of(task), text, task.task_id)
     return text
 
 
 def test_the_teacher_reads_the_chosen_skill_and_the_student_never_does(tmp_path):
-    t = build(tmp_path / "run")
+    t = build(tmp_path / "run", **{"skill_sd.pool": "task"})
     alg, tok = t.algorithm, t.ctx.tokenizer
     batch = group_batch(t, ["jgjj", "gjjj"])
     task0 = batch.tasks[0].task_id
@@ -192,7 +192,8 @@ def test_the_distillation_term_moves_the_student_towards_the_skill_teacher(tmp_p
     alg = t.algorithm
     source = group_batch(t, ["jg"])
     junk, gold = source.rollouts
-    alg.library.add(source.tasks[0].task_id, skill_summary(gold.compact_trace(80)))
+    alg.library.add(alg.pool_of(source.tasks[0]), skill_summary(gold.compact_trace(80)),
+                    source.tasks[0].task_id)
     batch = StepBatch(1, [source.tasks[0]] * 4, [junk] * 4)
     state, _, scores = scored(alg, batch)
     old = scores.student.token_logprobs()
@@ -207,7 +208,7 @@ def test_the_distillation_term_moves_the_student_towards_the_skill_teacher(tmp_p
 
 
 def test_rewards_update_the_chosen_skill_and_successes_enter_the_library(tmp_path):
-    t = build(tmp_path / "run")
+    t = build(tmp_path / "run", **{"skill_sd.pool": "task"})
     alg = t.algorithm
     batch = group_batch(t, ["jgjg", "gjjj"])
     skill = prefill(alg, batch)
@@ -270,6 +271,32 @@ def test_validation_tasks_never_enter_the_library(tmp_path):
     validation = {task.task_id for task in t.eval_tasks}
     assert validation and t.algorithm.library.withheld == validation
     with pytest.raises(ValueError, match="withheld for validation"):
-        t.algorithm.library.add(sorted(validation)[0], "- workflow: answer")
+        t.algorithm.library.add("ecommerce", "- workflow: answer", sorted(validation)[0])
     t.run()
-    assert t.algorithm.library.skills and not set(t.algorithm.library.skills) & validation
+    sources = {s.source for skills in t.algorithm.library.skills.values() for s in skills}
+    assert sources and not sources & validation
+
+
+def test_a_task_draws_the_skills_of_its_domain_never_of_another(tmp_path):
+    """pool 'domain' (the default): a task met for the first time gets a skill made from another
+    task of its domain; a task of another domain gets none; successes enter their domain's pool
+    with their source task; pool 'task' gives the first-met task nothing."""
+    t = build(tmp_path / "run")
+    alg = t.algorithm
+    assert alg.spec.pool == "domain"
+    tasks = t.train_tasks
+    first = tasks[0]
+    same = next(x for x in tasks[1:] if x.domain == first.domain)
+    other = next(x for x in tasks[1:] if x.domain != first.domain)
+    alg.library.add(alg.pool_of(first), "- workflow: lookup -> answer", first.task_id)
+    batch = group_batch(t, ["jjjj", "jjjj"], tasks=[same, other])
+    state = alg.before_step(batch)
+    assert state["chosen"] == [0] * 4 + [None] * 4
+    assert state["teacher_context"][:4] == [["- workflow: lookup -> answer"]] * 4
+    assert state["teacher_context"][4:] == [[]] * 4
+    alg.after_update(batch, state, {})
+    (skill,) = alg.library.skills[first.domain]
+    assert skill.source == first.task_id and skill.pulls == 4
+    per_task = build(tmp_path / "task", **{"skill_sd.pool": "task"}).algorithm
+    per_task.library.add(first.task_id, "- workflow: lookup -> answer")
+    assert per_task.pool_of(same) == same.task_id and per_task.library.choose(same.task_id) is None

@@ -4,10 +4,12 @@ Skill-Conditioned Self-Distillation (Wang et al., 2026, arXiv 2604.10674) as the
 as a baseline (DESIGN §3, "Baselines"). The trainer rolls out G = ``skill_sd.num_generations``
 rollouts of each task side by side. For the step's rollouts:
 
-1. skill: each task's group gets one skill of the task, chosen by UCB1 from the task's skills in
-   the :class:`SkillLibrary`; a skill is a structured summary (:func:`skill_summary`: the tool
-   sequence, the key argument values, the calls that failed on the way, the final answer) of the
-   compact trace of an earlier *successful training rollout* of that task;
+1. skill: each task's group gets one skill, chosen by UCB1 from the skills of the task's pool in
+   the :class:`SkillLibrary` (``skill_sd.pool``: the task's domain by default, so a task draws on
+   the successes of every task of its domain; ``task``: only the task's own earlier successes); a
+   skill is a structured summary (:func:`skill_summary`: the tool sequence, the key argument
+   values, the calls that failed on the way, the final answer) of the compact trace of an earlier
+   *successful training rollout*;
 2. teacher: the student's own weights at the start of the step (the teacher is synchronised with
    the student at every step), reading the skill in a block at the start of its first user
    message (``skill_sd.placement``), without gradient; the student never sees the skill;
@@ -19,11 +21,17 @@ rollouts of each task side by side. For the step's rollouts:
    being π_old of both terms;
 4. feedback: each rollout's reward updates the statistics of the skill its group was trained
    with (one pull per rollout); then the step's successes enter the library as skills of their
-   tasks (a summary already held for the task is not added twice).
+   pools (a summary already held in the pool is not added twice).
 
-Where the library comes from: the run's own training rollouts, starting empty. A task enters it
-only after the student has solved it once; until then its rollouts get no teacher signal (their
-distillation tokens weigh 0; PPO still applies) and are counted in ``skill_sd/without_skill``.
+Where the library comes from: the run's own training rollouts, starting empty. A pool has skills
+only after the student has solved one of its tasks; until then its rollouts get no teacher signal
+(their distillation tokens weigh 0; PPO still applies) and are counted in
+``skill_sd/without_skill``. Why the pool is the domain by default: a run of 30 steps × 8 tasks on
+toolworld's 2,349 training tasks meets each task about once, so with ``pool: task`` no rollout ever
+has a skill and Skill-SD is exactly GRPO with G = 4 (measured: the same final rewards, seed by seed,
+as GRPO in docs/results/method-table.md). "One skill per task from a library" is read as a library
+shared across tasks; the domain is the coarsest grouping every environment states
+(``Task.domain``), and a domain's tasks share tools and workflows.
 No rollout is sampled outside the training loop, so :meth:`setup_rollouts` is 0. Evaluation
 rollouts never reach the library, and a validation-mode run's validation tasks are refused by it
 (:attr:`SkillLibrary.withheld`). Library and UCB statistics are part of each checkpoint and are
@@ -44,7 +52,8 @@ student. Its method section was not available to us; what it would fix is chosen
   gradient (at μ = 1, ρ ≡ 1);
 * skills are made by a fixed rule (:func:`skill_summary`) from compact traces, not by an LLM
   summariser, so the baseline needs no second model and is deterministic;
-* the teacher is the student's current weights (synchronised every step, no EMA).
+* the teacher is the student's current weights (synchronised every step, no EMA);
+* the pool of skills a task may draw from (``skill_sd.pool``), as above.
 """
 
 from __future__ import annotations
@@ -89,6 +98,10 @@ class SkillSDConfig:
     placement: Literal["user", "system"] = knob(
         "user", "Where the skill goes in the teacher's prompt: 'user' a block at the start of the "
         "first user message, 'system' the end of the system message.")
+    pool: Literal["domain", "task"] = knob(
+        "domain", "Which skills a task may draw: 'domain' those made from successes of any task of "
+        "its domain (the task's own included), 'task' only its own earlier successes (a run that "
+        "meets each task once then never has a skill).")
 
     def __post_init__(self) -> None:
         if self.num_generations < 2:
@@ -167,6 +180,8 @@ class Skill:
     """One skill of a task and its UCB1 statistics."""
 
     text: str
+    source: str = ""
+    """The task whose successful rollout the skill summarises."""
     pulls: int = 0
     """Rollouts trained with this skill."""
     reward_sum: float = 0.0
@@ -174,9 +189,9 @@ class Skill:
 
 
 class SkillLibrary:
-    """Per task, its skills in the order they were added, with UCB1 statistics; plain data, saved
-    and restored exactly (:meth:`state_dict`). Tasks in ``withheld`` (a validation carve-out) are
-    refused."""
+    """Per pool (a domain, or a task), its skills in the order they were added, with UCB1
+    statistics; plain data, saved and restored exactly (:meth:`state_dict`). A skill made from a
+    task in ``withheld`` (a validation carve-out) is refused."""
 
     def __init__(self, c: float, withheld: frozenset[str] = frozenset()):
         self.c = c
@@ -186,21 +201,23 @@ class SkillLibrary:
     def __len__(self) -> int:
         return sum(len(s) for s in self.skills.values())
 
-    def add(self, task_id: str, text: str) -> bool:
-        """Add ``text`` as a skill of ``task_id`` unless the task holds it already; True if new."""
-        if task_id in self.withheld:
-            raise ValueError(f"task {task_id} is withheld for validation; it may not enter the "
+    def add(self, pool: str, text: str, source: str | None = None) -> bool:
+        """Add ``text``, made from a success on task ``source`` (default: ``pool`` is the task), as
+        a skill of ``pool`` unless the pool holds it already; True if new."""
+        source = pool if source is None else source
+        if source in self.withheld:
+            raise ValueError(f"task {source} is withheld for validation; it may not enter the "
                              "skill library")
-        skills = self.skills.setdefault(task_id, [])
+        skills = self.skills.setdefault(pool, [])
         if any(s.text == text for s in skills):
             return False
-        skills.append(Skill(text))
+        skills.append(Skill(text, source))
         return True
 
-    def choose(self, task_id: str) -> int | None:
-        """UCB1's choice among the task's skills (an index), or None when it has none: an untried
+    def choose(self, pool: str) -> int | None:
+        """UCB1's choice among the pool's skills (an index), or None when it has none: an untried
         skill first, else the highest mean reward + c·sqrt(ln N / n); ties to the oldest."""
-        skills = self.skills.get(task_id)
+        skills = self.skills.get(pool)
         if not skills:
             return None
         for i, skill in enumerate(skills):
@@ -211,9 +228,9 @@ class SkillLibrary:
                   for s in skills]
         return max(range(len(skills)), key=lambda i: (scores[i], -i))
 
-    def record(self, task_id: str, index: int, reward: float) -> None:
-        """One rollout trained with skill ``index`` of ``task_id`` earned ``reward``."""
-        skill = self.skills[task_id][index]
+    def record(self, pool: str, index: int, reward: float) -> None:
+        """One rollout trained with skill ``index`` of ``pool`` earned ``reward``."""
+        skill = self.skills[pool][index]
         skill.pulls += 1
         skill.reward_sum += float(reward)
 
@@ -242,6 +259,10 @@ class SkillSD(Algorithm):
         self.library = SkillLibrary(spec.ucb_c, frozenset(ctx.validation_task_ids))
         self.teacher = text_view(ctx.student, ctx.tokenizer, spec.placement, SKILL_PREFIX)
 
+    def pool_of(self, task) -> str:
+        """The library pool ``task`` draws its skill from (``skill_sd.pool``)."""
+        return task.domain if self.spec.pool == "domain" else task.task_id
+
     def before_step(self, batch: StepBatch) -> dict:
         size = self.group_size
         chosen: list[int | None] = []
@@ -250,8 +271,8 @@ class SkillSD(Algorithm):
             if len(ids) != 1:
                 raise RuntimeError(f"skill_sd: rollouts {start}..{start + size - 1} are not one "
                                    "group of the same task")
-            chosen += [self.library.choose(ids.pop())] * size
-        context = [[self.library.skills[t.task_id][i].text] if i is not None else []
+            chosen += [self.library.choose(self.pool_of(batch.tasks[start]))] * size
+        context = [[self.library.skills[self.pool_of(t)][i].text] if i is not None else []
                    for t, i in zip(batch.tasks, chosen)]
         signal = torch.tensor([i is not None for i in chosen], dtype=torch.float32)
         tokens = {"skill_tokens": float(sum(sum(r.action_mask)
@@ -283,17 +304,18 @@ class SkillSD(Algorithm):
 
     def after_update(self, batch: StepBatch, state: dict, figures: dict) -> dict:
         chars = self.max_observation_chars
-        pulls = [(t.task_id, i, r.reward) for t, i, r in zip(batch.tasks, state["chosen"],
-                                                             batch.rollouts) if i is not None]
-        wins = [(r.task_id, skill_summary(r.compact_trace(chars)))
-                for r in batch.rollouts if r.success]
+        pulls = [(self.pool_of(t), i, r.reward)
+                 for t, i, r in zip(batch.tasks, state["chosen"], batch.rollouts) if i is not None]
+        wins = [(self.pool_of(t), skill_summary(r.compact_trace(chars)), t.task_id)
+                for t, r in zip(batch.tasks, batch.rollouts) if r.success]
         # Every rank applies every rank's updates in rank order: the libraries stay identical.
-        for task_id, index, reward in self.world.gather(pulls):
-            self.library.record(task_id, index, reward)
-        added = sum(self.library.add(task_id, text) for task_id, text in self.world.gather(wins))
+        for pool, index, reward in self.world.gather(pulls):
+            self.library.record(pool, index, reward)
+        added = sum(self.library.add(pool, text, source)
+                    for pool, text, source in self.world.gather(wins))
         without = sum(i is None for i in state["chosen"]) / max(1, len(state["chosen"]))
         return {"skill_sd/without_skill": without, "skill_sd/skills": float(len(self.library)),
-                "skill_sd/tasks_with_skills": float(len(self.library.skills)),
+                "skill_sd/pools_with_skills": float(len(self.library.skills)),
                 "skill_sd/added": float(added)}
 
     def panels(self) -> list[Panel]:
