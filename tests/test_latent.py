@@ -86,18 +86,38 @@ def test_wrong_latent_count_is_a_clear_error(tiny_tokenizer, tiny_model):
     ids, _ = _left_pad(with_latents, tiny_tokenizer.pad_token_id)
     embedding, width = tiny_model.get_input_embeddings(), tiny_model.config.hidden_size
     with pytest.raises(ValueError, match=re.escape(
-            "every row needs exactly 5 <|latent|> tokens; rows have [4, 4, 4]")):
+            "every row needs 5 <|latent|> tokens (its reference block); rows have [4, 4, 4]")):
         latent.splice_embeddings(embedding, ids, torch.zeros(len(with_latents), 5, width),
                                  fmt.latent_id)
     uneven = ids.clone()
     uneven[1, (uneven[1] == fmt.latent_id).nonzero()[0]] = KNOWN[0]     # one sentinel fewer
     with pytest.raises(ValueError, match=re.escape(
-            "every row needs exactly 4 <|latent|> tokens; rows have [4, 3, 4]")):
+            "every row needs 4 <|latent|> tokens (its reference block); rows have [4, 3, 4]")):
         latent.splice_embeddings(embedding, uneven, torch.zeros(len(with_latents), 4, width),
                                  fmt.latent_id)
     with pytest.raises(ValueError, match=re.escape(
             f"latents must be (batch=3, n, d), got (2, 4, {width})")):
         latent.splice_embeddings(embedding, ids, torch.zeros(2, 4, width), fmt.latent_id)
+
+
+def test_a_sentinel_the_model_sampled_after_the_block_keeps_its_embedding(tiny_tokenizer,
+                                                                          tiny_model):
+    """A rollout whose own tokens include the sentinel id (a small model can sample it): the
+    block's first n sentinels take the latents, the sampled one stays the token's embedding."""
+    fmt, with_latents, _ = _pair(tiny_tokenizer)
+    ids, _ = _left_pad(with_latents, tiny_tokenizer.pad_token_id)
+    ids[0, -1] = fmt.latent_id                       # the last generated token of row 0
+    embedding = tiny_model.get_input_embeddings()
+    latents = torch.randn(len(with_latents), N_LATENT, tiny_model.config.hidden_size)
+    with torch.no_grad():
+        spliced = latent.splice_embeddings(embedding, ids, latents, fmt.latent_id)
+        plain = embedding(ids)
+    block = (ids[0] == fmt.latent_id).nonzero().flatten()[:N_LATENT]
+    assert torch.equal(spliced[0, block], latents[0])
+    assert torch.equal(spliced[0, -1], plain[0, -1])
+    others = torch.ones(ids.size(1), dtype=torch.bool)
+    others[block] = False
+    assert torch.equal(spliced[0, others], plain[0, others])
 
 
 def test_shift_after_and_missing_header():

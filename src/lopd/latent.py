@@ -255,17 +255,21 @@ def splice_embeddings(embedding: torch.nn.Module, input_ids: torch.Tensor, laten
                       latent_id: int) -> torch.Tensor:
     """Token embeddings of ``input_ids`` (B, T) with sentinel rows replaced by ``latents`` (B, n, d).
 
-    Every row must hold exactly ``n`` sentinels; they are filled in order. Gradients flow into
-    ``latents``; padding (left or right) does not matter, since only sentinel positions change.
+    Every row must hold at least ``n`` sentinels; its first ``n`` (the reference block, which comes
+    before every generated token) are filled in order. A later one is a token the model itself
+    sampled (a small model can emit the sentinel's id at temperature 1) and keeps its embedding, as
+    in the student's forward. Gradients flow into ``latents``; padding (left or right) does not
+    matter, since only sentinel positions change.
     """
     embeds = embedding(input_ids)
-    is_latent = input_ids == latent_id
-    counts = is_latent.sum(dim=1)
     if latents.dim() != 3 or latents.size(0) != input_ids.size(0):
         raise ValueError(f"latents must be (batch={input_ids.size(0)}, n, d), got {tuple(latents.shape)}")
+    sentinel = input_ids == latent_id
+    is_latent = sentinel & (sentinel.cumsum(dim=1) <= latents.size(1))
+    counts = is_latent.sum(dim=1)
     if not bool((counts == latents.size(1)).all()):
-        raise ValueError(f"every row needs exactly {latents.size(1)} {LATENT_TOKEN} tokens; "
-                         f"rows have {counts.tolist()}")
+        raise ValueError(f"every row needs {latents.size(1)} {LATENT_TOKEN} tokens (its reference "
+                         f"block); rows have {sentinel.sum(dim=1).tolist()}")
     if latents.size(-1) != embeds.size(-1):
         raise ValueError(f"latent width {latents.size(-1)} != embedding width {embeds.size(-1)}")
     # Boolean-mask assignment fills positions in row-major order, i.e. row by row, left to right.
