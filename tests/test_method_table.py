@@ -67,6 +67,7 @@ def test_verdicts_need_more_than_the_two_spreads(reports, tmp_path):
     # SDPO ends below the untrained model, and the page says so.
     assert vs_base["sdpo"]["toolworld average"] == "below"
     assert vs_base["grpo"]["humaneval pass@1"] == "within"
+    assert "base" not in vs_grpo and "grpo" not in vs_grpo
     text = (tmp_path / "out" / "table.md").read_text()
     assert "- SDPO: below: toolworld a, toolworld b, toolworld average" in text
     assert mt.beats((0.7, 0.0), (0.6, 0.1)) is False and mt.beats((0.71, 0.0), (0.6, 0.1))

@@ -91,7 +91,7 @@ def build(tool: dict | None, code: dict | None) -> dict:
     verdicts = {}
     for ref in ("base", "grpo"):
         for a in algos:
-            if a == ref or ref not in cells:
+            if a in (ref, "base") or ref not in cells:
                 continue
             for label, _, _ in cols:
                 mine, theirs = cells[a][label], cells[ref][label]
