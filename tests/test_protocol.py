@@ -112,6 +112,33 @@ def test_lopd_step_uses_the_configured_margin_weight(inputs, tmp_path):
     assert seen["signed_reward"] != seen["success"] != seen["advantage"]
 
 
+def test_random_retrieval_draws_other_tasks_entries_reproducibly(inputs, tmp_path):
+    """lopd.retrieval random (the control): n_ret entries per rollout, never of its own task, not
+    the nearest ones, the same draw for the same seed, step and task (so resume and a split batch
+    draw the same), another draw at another step."""
+    from conftest import junk_and_gold_batch
+
+    from lopd.experience import random_entries, retrieve
+
+    near = trainer.Trainer(lopd_config(inputs), tmp_path / "near", get_algorithm("lopd"),
+                           progress=False)
+    rand = trainer.Trainer(lopd_config(inputs, **{"lopd.retrieval": "random"}), tmp_path / "rand",
+                           get_algorithm("lopd"), progress=False)
+    batch = junk_and_gold_batch(rand, 4)
+    state = rand.algorithm.before_step(batch)
+    bank = rand.algorithm.bank
+    by_trace = {e.trace: e for e in bank.entries}
+    nearest = [[h.entry.trace for h in hits] for hits in retrieve(bank, batch.rollouts, 2)]
+    assert near.algorithm.before_step(batch)["teacher_context"] == nearest
+    assert state["teacher_context"] != nearest
+    for rollout, traces in zip(batch.rollouts, state["teacher_context"]):
+        assert len(traces) == 2 and all(by_trace[t].task_id != rollout.task_id for t in traces)
+    again = random_entries(bank, batch.rollouts[::-1], 2, f"{rand.ctx.cfg.run.seed}:1")
+    assert [[e.trace for e in x] for x in again[::-1]] == state["teacher_context"]
+    later = random_entries(bank, batch.rollouts, 2, f"{rand.ctx.cfg.run.seed}:2")
+    assert [[e.trace for e in x] for x in later] != state["teacher_context"]
+
+
 def test_validation_run_never_retrieves_validation_tasks_and_charges_setup(inputs, tmp_path):
     cfg = lopd_config(inputs, **{"train.eval_split": "validation", "train.eval_tasks": 6,
                                  "train.max_steps": 3, "train.eval_every": 3})

@@ -772,6 +772,22 @@ def retrieve_traces(bank: ExperienceBank, rollouts: Sequence, n_ret: int,
             for found in retrieve(bank, rollouts, n_ret, leave_one_out)]
 
 
+def random_entries(bank: ExperienceBank, rollouts: Sequence, n_ret: int,
+                   seed: str) -> list[list[Experience]]:
+    """``n_ret`` visible bank entries drawn at random per rollout, never of the rollout's own task
+    (exactly ``n_ret``, or raise). Each rollout's draw is seeded by ``seed`` and its task id alone,
+    so it does not depend on the other rollouts of the batch or on how they are split."""
+    entries = bank.entries
+    drawn = []
+    for rollout in rollouts:
+        pool = [e for e in entries if e.task_id != rollout.task_id]
+        if len(pool) < n_ret:
+            raise ValueError(f"the bank holds {len(pool)} experiences of other tasks than "
+                             f"{rollout.task_id}, fewer than n_ret={n_ret}: add more successes")
+        drawn.append(random.Random(f"{seed}:{rollout.task_id}").sample(pool, n_ret))
+    return drawn
+
+
 def random_traces(bank: ExperienceBank, rollouts: Sequence, n_ret: int,
                   seed: int) -> list[list[str]]:
     """``n_ret`` bank entries drawn at random (never the rollout's own task) per rollout."""

@@ -2,7 +2,8 @@
 
 One step (DESIGN §2–3), for the student's rollouts of the step:
 
-1. retrieve n_ret successful experiences per task from the bank (leave-one-out);
+1. retrieve n_ret successful experiences per task from the bank (leave-one-out; or, with
+   ``lopd.retrieval: random``, n_ret entries of other tasks drawn at random: the control);
 2. the composer φ turns them into latents Z_φ (and the frozen cold-start copy φ0 into Z_φ0);
 3. one teacher pass: the frozen base θ0 (adapter off) reads each rollout with Z_φ spliced into a
    reference block of its first user message; the graph to Z_φ is kept for the composer;
@@ -50,7 +51,7 @@ from lopd.algorithms.base import (Algorithm, LossTerms, MicroBatch, Panel, Score
                                   Updater)
 from lopd.composer import Composer
 from lopd.config import knob
-from lopd.experience import retrieve
+from lopd.experience import random_entries, retrieve
 from lopd.latent import ReferenceFormat
 from lopd.teacher import LatentContext, per_token
 
@@ -76,6 +77,12 @@ class LopdConfig:
         "signed_reward", "w(r) of the margin Δ: 'signed_reward' 2r - 1 (the paper's release), "
         "'success' +1/-1 by the environment's success, 'advantage' (r - batch mean) / batch std.")
     add_successes: bool = knob(True, "Add the step's successful rollouts to the bank.")
+    retrieval: Literal["nearest", "random"] = knob(
+        "nearest", "Which experiences the composer reads per rollout: 'nearest' the bank.n_ret "
+        "nearest by instruction (the method), 'random' bank.n_ret entries drawn at random, never "
+        "of the rollout's own task (the control that says how much of LOPD's gain comes from "
+        "retrieval; drawn from the run seed, the step and the task, so resume and several "
+        "processes draw the same).")
 
 
 @register
@@ -155,8 +162,13 @@ class LOPD(Algorithm):
         return self.bank.rollouts_sampled + cold
 
     def before_step(self, batch: StepBatch) -> dict:
-        hits = retrieve(self.bank, batch.rollouts, self.n_ret,
-                        leave_one_out=not self.ctx.cfg.bank.allow_self_retrieval)
+        if self.spec.retrieval == "random":
+            found = random_entries(self.bank, batch.rollouts, self.n_ret,
+                                   f"{self.ctx.cfg.run.seed}:{batch.step}")
+        else:
+            found = [[h.entry for h in hits] for hits in retrieve(
+                self.bank, batch.rollouts, self.n_ret,
+                leave_one_out=not self.ctx.cfg.bank.allow_self_retrieval)]
         self.composer.train()
         rewards = batch.rewards.to(self.device)
         successes = torch.tensor([r.success for r in batch.rollouts], device=self.device)
@@ -164,10 +176,10 @@ class LOPD(Algorithm):
         every = torch.tensor(self.world.gather(batch.rewards.tolist()), device=self.device) \
             if self.spec.margin_weight == "advantage" and self.world.enabled else None
         weights = losses.margin_weights(rewards, successes, self.spec.margin_weight, every)
-        return {"teacher_context": [[h.entry.trace for h in found] for found in hits],
+        return {"teacher_context": [[e.trace for e in entries] for entries in found],
                 "margin_weights": weights,
-                "validation_hits": sum(h.entry.task_id in self.validation_ids
-                                       for found in hits for h in found)}
+                "validation_hits": sum(e.task_id in self.validation_ids
+                                       for entries in found for e in entries)}
 
     def loss(self, micro: MicroBatch, scores: Scores, state: dict, totals: Totals) -> LossTerms:
         spec = self.spec
