@@ -258,3 +258,34 @@ def test_an_ablation_trains_arms_that_differ_only_in_their_settings(inputs, tmp_
     mtime = (tmp_path / "abl" / "signed" / "seed0" / "eval.jsonl").stat().st_mtime
     ablation(path, sets, "lopd", arms, 1, tmp_path / "abl", ["delta", "beta"])
     assert (tmp_path / "abl" / "signed" / "seed0" / "eval.jsonl").stat().st_mtime == mtime
+
+
+def test_a_frozen_composer_is_never_updated_and_the_student_loss_is_the_same(inputs, tmp_path):
+    """lopd.update_composer false (the joint-optimisation ablation's frozen φ0): after a step the
+    composer's weights and β are exactly the cold start's, while the student moves; the student's
+    loss equals the joint run's on the same batch, and the joint run does update its composer."""
+    from conftest import junk_and_gold_batch
+
+    def weights(alg):
+        return [p.detach().clone() for p in alg.composer.trainable_parameters()]
+
+    runs = {}
+    for name, update in (("joint", True), ("frozen", False)):
+        t = trainer.Trainer(lopd_config(inputs, **{"lopd.update_composer": update,
+                                                   "lopd.dual_init": 0.3,
+                                                   "train.learning_rate": 1e-3}),
+                            tmp_path / name, get_algorithm("lopd"), progress=False)
+        batch = runs.get("batch") or junk_and_gold_batch(t, 2)
+        runs["batch"] = batch
+        before = weights(t.algorithm)
+        student = [p.detach().clone() for p in t.ctx.student.parameters()]
+        figures = t.algorithm.step(batch)
+        changed = [not torch.equal(a, b) for a, b in zip(before, weights(t.algorithm))]
+        moved = any(not torch.equal(a, b) for a, b in zip(student, t.ctx.student.parameters()))
+        runs[name] = (figures, any(changed), moved, t.algorithm.beta)
+    (joint, joint_changed, joint_moved, joint_beta) = runs["joint"]
+    (frozen, frozen_changed, frozen_moved, frozen_beta) = runs["frozen"]
+    assert not frozen_changed and frozen_beta == 0.3 and frozen_moved
+    assert "composer/grad_norm" not in frozen
+    assert joint_changed and joint_moved and joint_beta != 0.3
+    assert frozen["kl"] == pytest.approx(joint["kl"], rel=1e-6)

@@ -77,6 +77,10 @@ class LopdConfig:
         "signed_reward", "w(r) of the margin Δ: 'signed_reward' 2r - 1 (the paper's release), "
         "'success' +1/-1 by the environment's success, 'advantage' (r - batch mean) / batch std.")
     add_successes: bool = knob(True, "Add the step's successful rollouts to the bank.")
+    update_composer: bool = knob(
+        True, "Train the composer jointly with the student (the method). False keeps the "
+        "cold-started φ0 frozen: no composer update and no dual update (β stays at "
+        "lopd.dual_init); the student's loss is unchanged (the joint-optimisation ablation).")
     retrieval: Literal["nearest", "random"] = knob(
         "nearest", "Which experiences the composer reads per rollout: 'nearest' the bank.n_ret "
         "nearest by instruction (the method), 'random' bank.n_ret entries drawn at random, never "
@@ -152,6 +156,8 @@ class LOPD(Algorithm):
     # -- one step -----------------------------------------------------------------------------
 
     def updaters(self) -> dict[str, Updater]:
+        if not self.spec.update_composer:
+            return {"student": self.ctx.student_updater}
         return {"student": self.ctx.student_updater, "composer": self.composer_updater}
 
     def setup_rollouts(self) -> int:
@@ -202,7 +208,10 @@ class LOPD(Algorithm):
         anchor = losses.anchor_loss(scores.extras["latents"], scores.extras["anchor_latents"]) * share
         loss_composer = (composer_kl + self.beta * (spec.margin * share - delta)
                          + spec.anchor_weight * anchor)
-        return LossTerms({"student": loss_student, "composer": loss_composer},
+        trained = {"student": loss_student}
+        if spec.update_composer:
+            trained["composer"] = loss_composer
+        return LossTerms(trained,
                          {"kl": loss_student.detach(), "kl_composer": composer_kl.detach(),
                           "delta": delta.detach(), "anchor": anchor.detach(),
                           "loss_composer": loss_composer.detach()})
@@ -210,7 +219,8 @@ class LOPD(Algorithm):
     def after_update(self, batch: StepBatch, state: dict, figures: dict) -> dict:
         spec = self.spec
         beta_used = self.beta
-        self.beta = losses.dual_update(self.beta, spec.margin, figures["delta"], spec.dual_lr)
+        if spec.update_composer:
+            self.beta = losses.dual_update(self.beta, spec.margin, figures["delta"], spec.dual_lr)
         added = 0
         if spec.add_successes:
             # Every rank adds the successes of the whole step, in rank order (= one process's order).
