@@ -203,7 +203,13 @@ def test_a_tiny_comparison_runs_and_reuses_finished_runs(tmp_path, monkeypatch):
             assert moved["per_seed"][algo]["transfer"]["codeworld"][seed] == cached["score"]
     assert "| codeworld pass@1 |" in (out / "results.md").read_text()
     assert moved["per_seed"]["grpo"]["mean_reward"] == again["per_seed"]["grpo"]["mean_reward"]
-    # Scored once: a re-run reads the caches.
+    # Scored once: a re-run reads the caches; a cache of another model is scored again.
+    stale = out / "grpo" / "seed0" / "transfer-codeworld.json"
+    stale.write_text(json.dumps({**json.loads(stale.read_text()), "model": "elsewhere"}))
+    scored.clear()
+    cmp.compare("tiny", sets, ["base", "grpo", "lopd"], 2, out, {"grpo": 3e-4},
+                transfer=["codeworld"])
+    assert scored == [("codeworld", students[0], "eval")]
     monkeypatch.setattr(pipeline, "evaluate_agent", lambda *a, **k: pytest.fail("cached"))
     cmp.compare("tiny", sets, ["base", "grpo", "lopd"], 2, out, {"grpo": 3e-4},
                 transfer=["codeworld"])

@@ -145,10 +145,13 @@ def check_transfer(envs: list[str]) -> None:
 def transfer_score(config: str | Path, overrides: list[str], model_path: str | Path,
                    env_name: str, cache: Path) -> dict:
     """Greedy score of the model at ``model_path`` on ``env_name``'s eval split, under the
-    comparison's config with ``env.name`` replaced (cached in ``cache``): ``score`` is pass@1 for
-    code environments and the mean reward otherwise."""
+    comparison's config with ``env.name`` replaced (cached in ``cache``, and scored again when the
+    cache holds another model, e.g. after the run was continued): ``score`` is pass@1 for code
+    environments and the mean reward otherwise."""
     if cache.exists():
-        return json.loads(cache.read_text())
+        cached = json.loads(cache.read_text())
+        if cached.get("model") == str(model_path):
+            return cached
     cfg = load_config(config, [*overrides, f"env.name={env_name}"])
     summary, _ = pipeline.evaluate_agent(cfg, "model", str(model_path), "eval")
     code = env_name in pipeline.CODE_ENVS
