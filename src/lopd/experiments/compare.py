@@ -194,16 +194,16 @@ def compare(config: str | Path, overrides: list[str], algos: list[str], seeds: i
     notes: list[str] = []
     for algo in algos:
         if algo == BASE:
-            summary = evaluate_base(run_config(config, overrides, "lopd", 0, {}), out)
+            base_cfg = run_config(config, overrides, "lopd", 0, {})
+            summary = evaluate_base(base_cfg, out)
             results[BASE] = {"mean_reward": [summary["mean_reward"]] * seeds,
                              "success_rate": [summary["success_rate"]] * seeds,
                              "generations": 0, "setup_generations": 0, "charged_generations": 0}
             results[BASE]["per_domain"] = {
                 domain: [row["mean_reward"]] * seeds
                 for domain, row in summary.get("per_domain", {}).items()}
-            base_model = run_config(config, overrides, "lopd", 0, {}).model.name_or_path
             results[BASE]["transfer"] = {
-                env: [transfer_score(config, overrides, base_model, env,
+                env: [transfer_score(config, overrides, base_cfg.model.name_or_path, env,
                                      out / BASE / f"transfer-{env}.json")["score"]] * seeds
                 for env in transfer}
             continue

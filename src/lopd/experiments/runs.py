@@ -38,7 +38,7 @@ def config_differences(saved: dict, wanted: dict, defaults: dict, prefix: str = 
     keys = []
     for key in [*saved, *(k for k in wanted if k not in saved)]:
         name = f"{prefix}{key}"
-        default = defaults.get(key) if isinstance(defaults, dict) else None
+        default = defaults.get(key)
         if key not in saved and isinstance(wanted[key], dict):
             keys.extend(config_differences({}, wanted[key], default or {}, f"{name}."))
         elif key not in saved:
@@ -65,7 +65,8 @@ def check_reusable(cfg: Config, run_dir: Path) -> None:
     def plain(c: Config) -> dict:
         return yaml.safe_load(yaml.safe_dump(c.to_dict(), sort_keys=False))
 
-    differ = config_differences(yaml.safe_load(saved.read_text()), plain(cfg), plain(load_config(None)))
+    differ = config_differences(yaml.safe_load(saved.read_text()), plain(cfg),
+                                plain(load_config(None)))
     if differ:
         shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
         raise ValueError(f"{run_dir} holds a run with a different config than this experiment "
