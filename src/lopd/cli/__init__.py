@@ -11,10 +11,10 @@ import argparse
 import sys
 
 from lopd import __version__
-from lopd.cli import bank, cold_start, config, env, model, quickstart, train
+from lopd.cli import bank, cold_start, config, env, experiment, model, quickstart, train
 from lopd.config import ConfigError
 
-GROUPS = (quickstart, config, env, cold_start, train, bank, model)
+GROUPS = (quickstart, config, env, cold_start, train, experiment, bank, model)
 """Command modules, in the order ``lopd --help`` lists them; each has ``register(subparsers)``."""
 
 

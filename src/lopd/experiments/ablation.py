@@ -40,6 +40,19 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 def ablation(config: str | Path, overrides: list[str], algo: str, arms: dict[str, list[str]],
              seeds: int, out: Path, track: list[str], jobs: int = 1) -> dict:
     """See the module docstring; ``jobs`` > 1 trains that many runs at once in subprocesses."""
+    report = train_arms(config, overrides, algo, arms, seeds, out, track, jobs)
+    (out / "results.json").write_text(json.dumps(report, indent=1))
+    (out / "results.md").write_text(markdown(report, track))
+    plot(report, track, out / "ablation.png")
+    return report
+
+
+def train_arms(config: str | Path, overrides: list[str], algo: str, arms: dict[str, list[str]],
+               seeds: int, out: Path, track: list[str], jobs: int = 1) -> dict:
+    """Train (or reuse) every arm × seed in ``OUT/ARM/seedS`` and read the runs back: the report
+    :func:`ablation` writes, without writing it. An arm's settings may be empty (the config as
+    given). Each arm's row also holds every seed's held-out curve (``evals``: generations and
+    mean reward per evaluation)."""
     from lopd.experiments.compare import _train_in_parallel
 
     if len(arms) < 1:
@@ -75,14 +88,12 @@ def ablation(config: str | Path, overrides: list[str], algo: str, arms: dict[str
             "start_reward": starts,
             "tracked": {key: _seed_mean(curves[key]) for key in track},
             "tracked_final": {key: [c[-1][1] for c in curves[key] if c] for key in track},
+            "evals": [[{"generations": r["generations"], "mean_reward": r["mean_reward"]}
+                       for r in read_evals(out / arm / f"seed{seed}")] for seed in range(seeds)],
         }
     split = configs[next(iter(configs))].train.eval_split
-    report = {"algo": algo, "seeds": seeds, "split": split, "config": str(config),
-              "overrides": overrides, "arms": per_arm}
-    (out / "results.json").write_text(json.dumps(report, indent=1))
-    (out / "results.md").write_text(markdown(report, track))
-    plot(report, track, out / "ablation.png")
-    return report
+    return {"algo": algo, "seeds": seeds, "split": split, "config": str(config),
+            "overrides": overrides, "arms": per_arm}
 
 
 def _seed_mean(curves: list[list[tuple[int, float]]]) -> list[dict]:
