@@ -124,6 +124,11 @@ def test_sensitivity_gives_each_k_its_own_cold_start_and_shares_the_configured_o
     assert json.loads((folder / "cold_start.json").read_text())["config"]["cold_start"][
         "epochs"] == 1
     assert saved(out / "K-2" / "seed0")["cold_start"]["epochs"] != 1
+    made = (folder / "composer.json").stat().st_mtime
+    again = paper.sensitivity(inputs / "base.yaml", STEPS, out, seeds=1, n_ret=[1, 2],
+                              latents=[LOPD_SPEC.num_latents, 2], cold_start_sets=cold)
+    assert (folder / "composer.json").stat().st_mtime == made  # the same cold start, reused
+    assert again["arms"]["K-2"]["mean_reward"] == arms["K-2"]["mean_reward"]
     text = (out / "sensitivity.md").read_text()
     assert "n_ret = 2, K = 4: 8" in text and "is the arm n_ret = 2, K = 4: the same run" in text
     with pytest.raises(ValueError, match=re.escape("holds a cold start with another config than "
