@@ -73,12 +73,16 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 
 def arm_differences(out: Path, arms: list[str]) -> dict[str, list[str]]:
     """For every arm, the config keys in which its saved seed-0 run differs from the first arm's
-    (read from the runs' ``config.yaml``: what was trained, not what was asked for)."""
+    (read from the runs' ``config.yaml``: what was trained, not what was asked for). A key a run's
+    config lacks (a setting added to lopd after the run was made) is taken at its default, as run
+    reuse does."""
     import yaml
 
     from lopd.trainer import CONFIG_FILE
 
-    configs = {arm: _flat(yaml.safe_load((out / arm / "seed0" / CONFIG_FILE).read_text()))
+    defaults = _flat(yaml.safe_load(yaml.safe_dump(load_config(None).to_dict())))
+    configs = {arm: {**defaults,
+                     **_flat(yaml.safe_load((out / arm / "seed0" / CONFIG_FILE).read_text()))}
                for arm in arms}
     reference = configs[arms[0]]
     return {arm: sorted(k for k in {*cfg, *reference} if cfg.get(k) != reference.get(k))
