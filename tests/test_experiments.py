@@ -200,6 +200,7 @@ def test_latent_decoding_reports_projections_of_related_retrievals(inputs, tmp_p
             assert len(tokens) == 2 * LOPD_SPEC.num_latents  # n_ret · K latents
             assert all(len(latent) == 2 for latent in tokens)
             assert 0.0 <= row["procedure_recall"][key] <= 1.0
+            assert 0.0 <= row["specific_recall"][key] <= 1.0
             assert 0.0 < row["chance"][key] <= 2 * LOPD_SPEC.num_latents / report["vocabulary"]
     text = (out / "latent-decoding.md").read_text()
     assert "| centred | retrieved experience only |" in text and "## Examples" in text

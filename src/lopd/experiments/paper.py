@@ -699,23 +699,30 @@ def latent_decoding(config, overrides: list[str], out: Path, tasks: int = 24, to
             if projection == "centred":
                 scores = scores - scores.mean(dim=(0, 1), keepdim=True)
             top_ids = scores.topk(top, dim=-1).indices.tolist()
-            for row, (task, retrieved, _), task_top in zip(per_task, chosen, top_ids):
-                recall, union, cover = [], set(), []
+            for row, (task, retrieved, randoms), task_top in zip(per_task, chosen, top_ids):
+                recall, specific, union, cover = [], [], set(), []
                 for j in range(n_ret):
                     block = {i for latent in task_top[j * k:(j + 1) * k] for i in latent}
                     union |= block
                     cover.append(len(block) / vocab)
                     want = ids(procedure(retrieved[j].trace))
                     recall.append(len(want & block) / len(want) if want else 0.0)
+                    # What a procedure of another template does not share with it.
+                    own = want - ids(procedure(randoms[j].trace))
+                    if own:
+                        specific.append(len(own & block) / len(own))
                 words = ids(re.findall(r"[A-Za-z0-9_]+", task.instruction))
                 key = f"{projection}/{name}"
                 row["procedure_recall"][key] = statistics.fmean(recall)
+                row.setdefault("specific_recall", {})[key] = (statistics.fmean(specific)
+                                                              if specific else 0.0)
                 row["task_token_recall"][key] = len(words & union) / len(words) if words else 0.0
                 row["chance"][key] = statistics.fmean(cover)
                 row["top_tokens"][key] = [[tokenizer.decode([i]) for i in latent]
                                           for latent in task_top]
     summary = {f"{p}/{n}": {
         "procedure_recall": _stats([r["procedure_recall"][f"{p}/{n}"] for r in per_task]),
+        "specific_recall": _stats([r["specific_recall"][f"{p}/{n}"] for r in per_task]),
         "task_token_recall": _stats([r["task_token_recall"][f"{p}/{n}"] for r in per_task]),
         "chance": statistics.fmean(r["chance"][f"{p}/{n}"] for r in per_task)}
         for p in PROJECTIONS for n in CONDITIONS}
@@ -730,13 +737,14 @@ def latent_decoding(config, overrides: list[str], out: Path, tasks: int = 24, to
 def latent_decoding_markdown(report: dict, examples: int) -> str:
     top, k = report["top"], report["latents_per_experience"]
     lines = ["| projection | composer input | procedure recall (mean ± std over tasks) | "
-             "current-task token recall | chance (the projections' share of the vocabulary) |",
-             "| --- | --- | --- | --- | --- |"]
+             "specific procedure recall | current-task token recall | chance (the projections' "
+             "share of the vocabulary) |", "| --- | --- | --- | --- | --- | --- |"]
     for key, row in report["summary"].items():
         projection, name = key.split("/")
         (pm, ps), (tm, ts) = row["procedure_recall"], row["task_token_recall"]
+        qm, qs = row["specific_recall"]
         lines.append(f"| {projection} | {_CONDITION_NAMES[name]} | {pm:.3f} ± {ps:.3f} | "
-                     f"{tm:.3f} ± {ts:.3f} | {row['chance']:.3f} |")
+                     f"{qm:.3f} ± {qs:.3f} | {tm:.3f} ± {ts:.3f} | {row['chance']:.3f} |")
     lines += ["", f"{report['tasks']} training tasks whose nearest retrieval shares their "
               f"template; n_ret {report['n_ret']}, K {k} latents per experience, vocabulary "
               f"{report['vocabulary']}. Each latent is projected through the LM head and its top "
@@ -745,7 +753,9 @@ def latent_decoding_markdown(report: dict, examples: int) -> str:
               "recall*: the fraction of the token ids of a retrieved experience's tool names and "
               f"argument keys found among the top-{top} tokens of that experience's {k} latents "
               "(for the random row: the latents of a random experience of another template in "
-              "its place, scored against the retrieved one's procedure). *Current-task token "
+              "its place, scored against the retrieved one's procedure). *Specific procedure "
+              "recall*: the same over the procedure's token ids that the random experience's "
+              "procedure lacks (what is particular to the retrieved one). *Current-task token "
               "recall*: the fraction of the current instruction's word tokens among all its "
               "latents' top tokens. *Chance*: the share of the vocabulary one experience's top "
               "tokens cover (the recall a random token set of that size would have on average).",
