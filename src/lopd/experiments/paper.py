@@ -590,7 +590,6 @@ def plot_sample_efficiency(report: dict, path: Path) -> None:
             ax.axvline(x, color="k", ls=":", lw=0.8)
         ax.set_xlabel(title)
         ax.legend(fontsize=8)
-    axes[1].set_xscale("symlog", linthresh=max(report["read_off"]))
     axes[0].set_ylabel("held-out mean reward")
     fig.suptitle("sample efficiency: seed mean, min-max band; dotted: the read-off counts "
                  + ", ".join(str(x) for x in report["read_off"]))
@@ -785,11 +784,12 @@ def plot_latent_decoding(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.0))
+    panels = (("procedure_recall", "retrieved procedure"),
+              ("specific_recall", "its tokens another template lacks"),
+              ("task_token_recall", "the current task's tokens"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(14, 3.9), sharey=True)
     width = 0.38
-    for ax, key, title in ((axes[0], "procedure_recall", "retrieved procedure in the projections"),
-                           (axes[1], "task_token_recall", "current task's tokens in the "
-                                                          "projections")):
+    for ax, (key, title) in zip(axes, panels):
         for p, projection in enumerate(PROJECTIONS):
             rows = [report["summary"][f"{projection}/{n}"] for n in CONDITIONS]
             xs = [i + (p - 0.5) * width for i in range(len(CONDITIONS))]
@@ -798,11 +798,11 @@ def plot_latent_decoding(report: dict, path: Path) -> None:
             ax.scatter(xs, [r["chance"] for r in rows], marker="_", s=200, color="k",
                        zorder=3, label="chance" if p == 0 else None)
         ax.set_xticks(range(len(CONDITIONS)), CONDITIONS, fontsize=8)
-        ax.set_ylim(0, 1)
-        ax.set_title(title, fontsize=10)
+        ax.set_title(f"share of {title}\namong the latents' top tokens", fontsize=9)
         ax.legend(fontsize=7)
+    axes[0].set_ylim(bottom=0)
     fig.suptitle(f"latent decoding: top-{report['top']} LM-head tokens per latent, "
-                 f"{report['tasks']} tasks (mean ± std; black: chance)")
+                 f"{report['tasks']} tasks (mean ± std over tasks; black: chance)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
