@@ -158,6 +158,11 @@ def test_internalisation_scores_every_agent_on_the_same_tasks(inputs, tmp_path):
     assert final["composer"].endswith("step-000001/composer")
     assert report["composer_gain"] == pytest.approx(cold["mean_reward"] - evals[0]["mean_reward"])
     assert "| LOPD student | no |" in (out / "internalisation.md").read_text()
+    # A cache made for another agent (here: another composer) is scored again, not trusted.
+    stale = out / "lopd" / "seed0" / "eval-base+composer.json"
+    stale.write_text(json.dumps({**final, "composer": "elsewhere", "mean_reward": -1.0}))
+    again = paper.internalisation(inputs / "base.yaml", STEPS, out, seeds=1)
+    assert again["rows"]["base+lopd-composer"]["mean_reward"] == [final["mean_reward"]]
 
 
 def test_sample_efficiency_reads_off_training_and_charged_rollouts(inputs, tmp_path):

@@ -360,11 +360,16 @@ def sensitivity(config, overrides: list[str], out: Path, seeds: int = 3, jobs: i
 def _held_out_eval(cfg, cache: Path, composer: str | Path | None = None,
                    bank: str | Path | None = None, model_path: str | None = None) -> dict:
     """Greedy score on the trainer's held-out tasks (``train.eval_split``, ``train.eval_tasks``) of
-    the model, or of the model acting with the latents of ``composer`` over ``bank`` (cached)."""
+    the model, or of the model acting with the latents of ``composer`` over ``bank``; cached, and
+    scored again when the cache holds another agent (e.g. a run continued to a later step)."""
     from lopd import pipeline, runtime
 
+    agent = {"model": model_path or cfg.model.name_or_path,
+             "composer": str(composer) if composer else None, "bank": str(bank) if bank else None}
     if cache.exists():
-        return json.loads(cache.read_text())
+        cached = json.loads(cache.read_text())
+        if all(cached.get(k) == v for k, v in agent.items()):
+            return cached
     device = runtime.setup(cfg.run)
     env = pipeline.get_env(cfg)
     opened = None
@@ -379,9 +384,7 @@ def _held_out_eval(cfg, cache: Path, composer: str | Path | None = None,
     finally:
         if opened is not None:
             opened.close()
-    summary.update({"model": model_path or cfg.model.name_or_path,
-                    "composer": str(composer) if composer else None,
-                    "bank": str(bank) if bank else None})
+    summary.update(agent)
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps(summary, indent=1))
     return summary
