@@ -180,33 +180,36 @@ def plot_arms(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     arms = report["arms"]
-    fig, axes = plt.subplots(1, 2 + len(TRACK), figsize=(4.2 * (2 + len(TRACK)), 3.8))
-    ax = axes[0]
-    for row in arms.values():
+    colors = {arm: f"C{i}" for i, arm in enumerate(arms)}
+    fig = plt.figure(figsize=(4.3 * len(TRACK), 7.4))
+    grid = fig.add_gridspec(2, len(TRACK))
+    ax = fig.add_subplot(grid[0, :-1])
+    for arm, row in arms.items():
         length = min(len(e) for e in row["evals"])
         xs = [row["evals"][0][i]["generations"] for i in range(length)]
         values = [[e[i]["mean_reward"] for e in row["evals"]] for i in range(length)]
-        line, = ax.plot(xs, [statistics.fmean(v) for v in values], marker="o", ms=3,
-                        label=row["label"])
+        ax.plot(xs, [statistics.fmean(v) for v in values], marker="o", ms=3,
+                label=row["label"], color=colors[arm])
         ax.fill_between(xs, [min(v) for v in values], [max(v) for v in values], alpha=0.15,
-                        color=line.get_color())
+                        color=colors[arm])
     ax.axhline(report["base_mean_reward"], color="grey", ls="--", lw=1, label="base")
     ax.set_xlabel("training rollouts")
     ax.set_title("held-out mean reward")
     ax.legend(fontsize=7)
-    for ax, key in zip(axes[1:], TRACK):
-        for row in arms.values():
+    for i, key in enumerate(TRACK):
+        ax = fig.add_subplot(grid[1, i])
+        for arm, row in arms.items():
             curve = row["tracked"][key]
             if curve:
                 xs = [p["generations"] for p in curve]
-                line, = ax.plot(xs, [p["mean"] for p in curve], label=row["label"])
+                ax.plot(xs, [p["mean"] for p in curve], label=row["label"], color=colors[arm])
                 ax.fill_between(xs, [p["min"] for p in curve], [p["max"] for p in curve],
-                                alpha=0.15, color=line.get_color())
-        ax.set_title(f"{key} per step")
+                                alpha=0.15, color=colors[arm])
+        ax.set_title(f"{key} per step (seed mean, min-max band)")
         ax.set_xlabel("training rollouts")
-    ax = axes[-1]
-    for i, row in enumerate(arms.values()):
-        ax.bar(i, row["mean_reward_stats"][0], alpha=0.5)
+    ax = fig.add_subplot(grid[0, -1])
+    for i, (arm, row) in enumerate(arms.items()):
+        ax.bar(i, row["mean_reward_stats"][0], alpha=0.5, color=colors[arm])
         ax.scatter([i] * len(row["mean_reward"]), row["mean_reward"], color="k", s=10, zorder=3)
     ax.set_xticks(range(len(arms)), [r["label"] for r in arms.values()], rotation=25, fontsize=8)
     ax.axhline(report["base_mean_reward"], color="grey", ls="--", lw=1)
