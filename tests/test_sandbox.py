@@ -1,6 +1,7 @@
 """The sandbox: honest programs pass, and a corpus of hostile programs is contained and fails."""
 
 import os
+import re
 import time
 
 import pytest
@@ -9,8 +10,9 @@ from lopd.envs.sandbox import Limits, Report, canonical, run, run_many
 from lopd.envs.sandbox import TestOutcome as Outcome
 
 ADD = "def add(a, b):\n    return a + b\n"
-TESTS = [{"call": "add(1, 2)", "expected": 3}, {"call": "add(-4, 4)", "expected": 0},
-         {"code": "assert add(2, 2) == 4"}]
+CHECK = {"check": "def check(candidate):\n    assert candidate(2, 2) == 4\n"
+                  "    assert candidate(-1, 1) == 0\n", "entry_point": "add", "reference": ADD}
+TESTS = [{"call": "add(1, 2)", "expected": 3}, {"call": "add(-4, 4)", "expected": 0}, CHECK]
 FAST = Limits(wall_seconds=6, test_seconds=2, cpu_seconds=5, memory_mb=256)
 
 
@@ -49,8 +51,10 @@ def test_syntax_error_and_load_exception_fail_every_test():
 
 
 def test_bad_test_specs_are_refused_clearly():
-    with pytest.raises(ValueError, match="exactly one of 'call' or 'code'"):
-        run(ADD, [{"call": "add(1, 2)", "code": "x"}])
+    with pytest.raises(ValueError, match="exactly one of 'call' or 'check'"):
+        run(ADD, [{"call": "add(1, 2)", "check": "x"}])
+    with pytest.raises(ValueError, match="a 'check' test without entry_point, reference"):
+        run(ADD, [{"check": "def check(candidate):\n    pass\n"}])
     with pytest.raises(ValueError, match="without an 'expected'"):
         run(ADD, [{"call": "add(1, 2)"}])
     with pytest.raises(ValueError, match="wall_seconds must be > 0"):
@@ -112,49 +116,6 @@ def test_a_test_that_loops_fails_alone():
     assert report.outcomes[0].error == "timeout"
 
 
-def test_files_outside_the_work_directory_are_neither_written_nor_deleted(tmp_path):
-    victim = tmp_path / "victim.txt"
-    victim.write_text("keep me")
-    target = tmp_path / "written.txt"
-    program = (f"import os, shutil\n"
-               f"for attempt in (lambda: open({str(target)!r}, 'w').write('x'),\n"
-               f"                lambda: os.remove({str(victim)!r}),\n"
-               f"                lambda: shutil.rmtree({str(tmp_path)!r}),\n"
-               f"                lambda: os.rename({str(victim)!r}, 'stolen.txt')):\n"
-               f"    try:\n        attempt()\n    except Exception as exc:\n"
-               f"        print(type(exc).__name__)\n"
-               f"open('inside.txt', 'w').write('fine')\n"
-               f"print(open('inside.txt').read())\n" + ADD)
-    report = run(program, TESTS, FAST)
-    assert report.all_passed, report  # contained, and honest work inside the sandbox still runs
-    assert victim.read_text() == "keep me" and not target.exists()
-    assert report.output.split() == ["RuntimeError"] * 4 + ["fine"]
-
-
-def test_the_secret_cannot_be_read():
-    # Every place a program might look for the verdict secret: the parent's environment and
-    # command line, its own, stdin, open descriptors and the interpreter's frames.
-    program = ("import os, sys\nfound = []\n"
-               "def attempt(f):\n    try:\n        found.append(str(f()))\n"
-               "    except BaseException as exc:\n        found.append(type(exc).__name__)\n"
-               "attempt(lambda: open(f'/proc/{os.getppid()}/environ', 'rb').read())\n"
-               "attempt(lambda: open(f'/proc/{os.getppid()}/cmdline', 'rb').read())\n"
-               "attempt(lambda: open('/proc/self/mem', 'rb').read(1))\n"
-               "attempt(lambda: dict(os.environ))\nattempt(lambda: sys.argv)\n"
-               "attempt(lambda: sys.stdin.read())\n"
-               "attempt(lambda: [os.read(fd, 4096) for fd in range(64) if fd not in (1, 2)"
-               " and os.path.exists(f'/dev/fd/{fd}')])\n"
-               "attempt(lambda: [repr(f.f_locals)\n"
-               "                 for f in [sys._getframe(i) for i in range(1, 4)]])\n"
-               "attempt(lambda: __import__('gc').get_objects())\n"
-               "print('\\n'.join(found))\n" + ADD)
-    report = run(program, TESTS, FAST)
-    assert report.status == "completed"
-    # The honest part still passes; no hex secret of the run's length appears anywhere it saw.
-    import re
-    assert not re.search(r"\b[0-9a-f]{48}\b", report.output), report.output
-
-
 def test_run_many_runs_in_parallel_and_keeps_order():
     jobs = [(f"def add(a, b):\n    return a + b + {k}\n", TESTS[:1]) for k in range(6)]
     reports = run_many(jobs, FAST, workers=2)
@@ -166,9 +127,260 @@ def test_outcome_defaults():
     assert Outcome(True).error == "" and Report("completed", [], "", False, 0.0).fraction == 0.0
 
 
-def test_each_run_gets_a_fresh_work_directory_that_is_removed():
-    program = "import os\nopen('scratch.txt', 'w').write('x')\nprint(os.getcwd())\n" + ADD
+def test_each_run_gets_a_fresh_private_work_directory():
+    program = ("import os\nprint(sorted(os.listdir('.')))\n"
+               "open('scratch.txt', 'w').write('x')\n" + ADD)
     first, second = run(program, TESTS, FAST), run(program, TESTS, FAST)
     assert first.all_passed and second.all_passed
-    assert first.output != second.output
-    assert not os.path.exists(first.output.strip()) and not os.path.exists(second.output.strip())
+    assert first.output == second.output == "[]\n"  # the first run's file is not there
+    assert not os.path.exists(os.path.join(os.getcwd(), "scratch.txt"))
+
+
+# -- Attacks on judging, isolation and the parent ---------------------------------------------
+# Each program tries to pass without computing the answers (or to escape, or to crash the
+# parent); each must score 0, leave nothing outside the sandbox and return a report.
+
+LYING = {
+    "always-equal int": "class E(int):\n    def __eq__(self, o):\n        return True\n"
+                        "    __hash__ = int.__hash__\n",
+    "always-equal object": ("class E:\n    def __init__(self, *a):\n        pass\n"
+                            "    def __eq__(self, o):\n        return True\n"
+                            "    def __ne__(self, o):\n        return False\n"
+                            "    def __abs__(self):\n        return 0\n"
+                            "    def __sub__(self, o):\n        return E()\n"
+                            "    __rsub__ = __sub__\n"
+                            "    def __lt__(self, o):\n        return True\n"
+                            "    __le__ = __gt__ = __ge__ = __lt__\n"
+                            "    def __bool__(self):\n        return True\n"
+                            "    def __iter__(self):\n        return iter(())\n"
+                            "    def __len__(self):\n        return 0\n"
+                            "    __hash__ = object.__hash__\n"),
+    "always-equal str": "class E(str):\n    def __eq__(self, o):\n        return True\n"
+                        "    __hash__ = str.__hash__\n",
+    "always-equal list": "class L(list):\n    def __eq__(self, o):\n        return True\n"
+                         "def E(*a):\n    return L([7])\n",
+    "float with a lying abs": "class E(float):\n    def __abs__(self):\n        return 0.0\n"
+                              "    def __sub__(self, o):\n        return E(0)\n"
+                              "    def __eq__(self, o):\n        return True\n"
+                              "    __hash__ = float.__hash__\n",
+    "tuple of liars": "class L:\n    def __eq__(self, o):\n        return True\n"
+                      "def E(*a):\n    return (L(), L())\n",
+}
+
+
+@pytest.mark.parametrize("name", sorted(LYING))
+def test_objects_that_lie_about_equality_fail_a_check(name):
+    program = LYING[name] + "def add(a, b):\n    return E(7)\n"
+    report = run(program, [CHECK, TESTS[0]], FAST)
+    assert_failed(report)
+    assert report.outcomes[0].error.startswith("unencodable:"), report.outcomes
+
+
+def test_an_always_equal_answer_passes_no_humaneval_problem():
+    from lopd.envs.humaneval import HumanEval
+
+    env = HumanEval()
+    liar = LYING["always-equal object"]
+    # `return E()` is the body of the prompt's function; the class follows it.
+    jobs = [(t.meta["prompt"] + "\n    return E()\n" + liar, env.reset(t).tests)
+            for t in env.tasks("eval")]
+    reports = run_many(jobs, env.limits, workers=2)
+    assert sum(r.all_passed for r in reports) == 0
+
+
+FORGERIES = {
+    # The child's reporting can be rewritten; what it reports are still only outputs.
+    "json.dumps patched to forge values": (
+        "import json\njson.dumps = lambda *a, **k: '3'\ndef add(a, b):\n    return None\n"),
+    "the harness's encoder patched": (
+        "import sys\nh = sys.modules['__main__']\nh.encode = lambda v, *a: 3\n"
+        "def add(a, b):\n    return None\n"),
+    "a forged record on every descriptor, then exit": (
+        "import os\nrecord = b'{\"network\": \"isolated\", \"results\": [{\"value\": \"3\"}, "
+        "{\"value\": \"0\"}, {\"value\": \"4\"}], \"passed\": true}\\n'\n"
+        "for fd in range(3, 64):\n    try:\n        os.write(fd, record)\n    except OSError:\n"
+        "        pass\nos._exit(0)\n"),
+    "an extra record after the harness's": (
+        "import os, sys\nclass Late:\n    def __del__(self):\n"
+        "        os.write(3, b'{\"results\": []}\\n')\nsys.modules['late'] = Late()\n"
+        "def add(a, b):\n    for fd in range(3, 20):\n        try:\n"
+        "            os.write(fd, b'{\"passed\": true}\\n')\n        except OSError:\n"
+        "            pass\n    return None\n"),
+    "the harness's results rewritten through its frame": (
+        "import sys\ndef add(a, b):\n    f = sys._getframe(1)\n    while f is not None:\n"
+        "        if 'results' in f.f_locals:\n"
+        "            f.f_locals['results'][:] = [{'value': '3'}] * 3\n"
+        "        f = f.f_back\n    return None\n"),
+    "the secret hunted in its own memory": (
+        "import os\nseen = []\nfor path in ('/proc/self/maps', '/proc/self/environ', "
+        "'/proc/1/environ', '/proc/1/cmdline'):\n    try:\n"
+        "        seen.append(open(path, 'rb').read(4096))\n    except OSError:\n        pass\n"
+        "def add(a, b):\n    return None\n"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FORGERIES))
+def test_forged_verdicts_are_only_outputs_and_fail(name):
+    # The forged outputs (3) are wrong for these tests: a forgery is worth what it states.
+    assert_failed(run(FORGERIES[name], TESTS[1:], FAST))
+
+
+def test_the_parents_environment_and_files_are_out_of_reach(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOPD_SANDBOX_CANARY", "canary-7f3a")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    program = (
+        "import os\nout = []\n"
+        "def attempt(f):\n    try:\n        out.append(repr(f()))\n"
+        "    except BaseException as exc:\n        out.append(type(exc).__name__)\n"
+        "attempt(lambda: dict(os.environ))\n"
+        "attempt(lambda: open('/proc/1/environ', 'rb').read())\n"
+        f"attempt(lambda: open({str(victim)!r}).read())\n"
+        f"attempt(lambda: os.remove({str(victim)!r}))\n"
+        f"attempt(lambda: open({str(tmp_path / 'planted.txt')!r}, 'w').write('x'))\n"
+        "attempt(lambda: os.listdir('/root/.pyenv') if os.path.isdir('/root/.pyenv') else [])\n"
+        "attempt(lambda: os.kill(-1, 9))\n"
+        "print('\\n'.join(out))\n" + ADD)
+    report = run(program, TESTS, FAST)
+    assert report.all_passed  # honest work still runs beside the attempts
+    assert "canary-7f3a" not in report.output and "keep me" not in report.output
+    assert victim.read_text() == "keep me" and not (tmp_path / "planted.txt").exists()
+
+
+def test_directory_descriptors_reach_nothing_outside_the_sandbox(tmp_path):
+    import uuid
+
+    name = f"lopd-escape-{uuid.uuid4().hex}"
+    program = (
+        "import os\n"
+        f"for d in ('/tmp', '/var/tmp', '/dev/shm', {str(tmp_path)!r}, '.'):\n"
+        "    try:\n        fd = os.open(d, os.O_RDONLY)\n"
+        f"        w = os.open({name!r}, os.O_CREAT | os.O_WRONLY, dir_fd=fd)\n"
+        "        os.write(w, b'x')\n"
+        f"        os.rename({name!r}, {name + '-moved'!r}, src_dir_fd=fd, dst_dir_fd=fd)\n"
+        "    except OSError as exc:\n        print(d, type(exc).__name__)\n" + ADD)
+    report = run(program, TESTS, FAST)
+    assert report.all_passed
+    for where in ("/tmp", "/var/tmp", "/dev/shm", str(tmp_path)):
+        assert not any(p.name.startswith(name) for p in __import__("pathlib").Path(where)
+                       .glob("lopd-escape-*")), where
+
+
+def test_the_answer_key_is_not_on_the_childs_disk():
+    # codeworld's tasks and expected values live in lopd's source: the child can neither import
+    # it nor find it anywhere on its filesystem.
+    program = (
+        "import os\nhits = []\ntry:\n    import lopd\n    hits.append('import')\n"
+        "except ImportError:\n    pass\n"
+        "for root, dirs, files in os.walk('/'):\n"
+        "    if root.startswith('/proc'):\n        dirs[:] = []\n        continue\n"
+        "    hits += [os.path.join(root, f) for f in files if 'lopd' in f or f == 'problems.py'"
+        " or 'codeworld' in root or f.endswith('.jsonl')]\n"
+        "    hits += [os.path.join(root, d) for d in dirs if d in ('.venv', 'torch', 'work')"
+        " and root != '/tmp']\n"
+        "print(hits)\n" + ADD)
+    report = run(program, TESTS, FAST)
+    assert report.all_passed
+    # Only the harness file is bound in (as /lopd/sandbox_harness.py); nothing else of the project.
+    assert report.output.strip() == "[]", report.output
+
+
+PARENT_CRASHERS = {
+    "a value nested 1,000 deep": ("def add(a, b):\n    v = []\n    for _ in range(1000):\n"
+                                  "        v = [v]\n    return v\n"),
+    "a dict nested 1,000 deep": ("def add(a, b):\n    v = {}\n    for _ in range(1000):\n"
+                                 "        v = {'k': v}\n    return v\n"),
+    "garbage bytes on the channel": ("import os\nfor fd in range(3, 20):\n    try:\n"
+                                     "        os.write(fd, bytes(range(256)) * 8)\n"
+                                     "    except OSError:\n        pass\nos._exit(0)\n"),
+    "a nesting bomb on the channel": ("import os\nfor fd in range(3, 20):\n    try:\n"
+                                      "        os.write(fd, b'[' * 200000 + b'\\n')\n"
+                                      "    except OSError:\n        pass\nos._exit(0)\n"),
+    "a flood on the channel": ("import os\nchunk = b'{' * 65536\nfor fd in range(3, 20):\n"
+                               "    try:\n        for _ in range(200):\n"
+                               "            os.write(fd, chunk)\n    except OSError:\n"
+                               "        pass\nos._exit(0)\n"),
+    "wrong types in a record": ("import os\nfor fd in range(3, 20):\n    try:\n"
+                                "        os.write(fd, b'{\"results\": [{\"value\": 3}, 7, "
+                                "{\"error\": [1]}]}\\n')\n    except OSError:\n"
+                                "        pass\nos._exit(0)\n"),
+    "a huge integer": "def add(a, b):\n    return 10 ** 20000\n",
+}
+
+
+@pytest.mark.parametrize("name", sorted(PARENT_CRASHERS))
+def test_nothing_on_the_channel_crashes_the_parent(name):
+    report = run(PARENT_CRASHERS[name], TESTS, FAST)
+    assert_failed(report)
+
+
+def test_the_channel_parser_never_raises_on_random_or_deep_input():
+    import json
+    import random
+
+    from lopd.envs.sandbox import _value, parse_record
+
+    rng = random.Random(0)
+    samples = [bytes(rng.randrange(256) for _ in range(rng.randrange(64))) for _ in range(2000)]
+    samples += [b"[" * n + b"\n" for n in (10, 1000, 100000)]
+    samples += [b'{"a":' * n + b"1" + b"}" * n + b"\n" for n in (10, 5000)]
+    samples += [json.dumps({"results": [{"value": "[" * 3000}]}).encode() + b"\n",
+                b'{"results": null}\n', b"\xff\xfe\n", b"{}\n{}\n", b"\n", b""]
+    for data in samples:
+        record, why = parse_record(data)
+        assert (record is None) == bool(why)
+    values = ["[" * 100000, '{"$": "tuple", "v": 5}', '{"$": "dict", "v": [[1]]}',
+              '{"$": "float", "v": "1e999"}', '{"$": "bytes", "v": "zz"}', "NaN", "1" * 5000,
+              '{"$": "set", "v": [[1]]}', '{"$": "complex", "v": ["a", 1]}', '"ok"']
+    for text in values:
+        value, _, why = _value({"value": text})
+        assert why in ("", "malformed result")
+    for junk in (None, 3, [], {"value": 3}, {"error": 3}, {"value": "1", "error": "x"}):
+        assert _value(junk)[2] == "malformed result" or junk == {"error": 3}
+
+
+def test_plain_data_round_trips_exact_types_and_refuses_the_rest():
+    from lopd.envs.sandbox_harness import Unencodable, decode, dumps
+    import json
+
+    value = [1, -2.5, float("inf"), "s\ud800", None, True, (1, (2,)), {1: "a", (2, 3): [4]},
+             {1, 2}, frozenset({"x"}), b"\x00\xff", 1 + 2j]
+    back = decode(json.loads(dumps(value)))
+    assert back == value and type(back[6]) is tuple and type(back[7]) is dict
+    assert type(back[9]) is frozenset and back[5] is True
+    for bad in (type("I", (int,), {})(3), object(), [[[]]] * 0 + [eval("[" * 80 + "]" * 80)]):
+        with pytest.raises(Unencodable):
+            dumps(bad)
+
+
+def test_without_bubblewrap_untrusted_code_is_refused_unless_the_unsafe_mode_is_chosen(
+        monkeypatch, capsys):
+    from lopd.envs import sandbox
+
+    sandbox.isolation.cache_clear()
+    monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)
+    try:
+        with pytest.raises(sandbox.SandboxUnavailable, match=re.escape(
+                "untrusted code is not run: bubblewrap (bwrap) is not installed; install it with "
+                "apt-get install bubblewrap")):
+            run(ADD, TESTS, FAST)
+        # At start-up, in one line: `lopd eval` on a code environment refuses before any model
+        # or task is loaded.
+        from lopd.cli import main
+
+        assert main(["eval", "--env", "humaneval", "--agent", "oracle", "--limit", "1"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("lopd eval: error: untrusted code is not run: bubblewrap (bwrap) "
+                              "is not installed") and "\n" not in err
+        assert err.endswith("set env.unsafe_sandbox_without_bubblewrap=true")
+        assert main(["eval", "--env", "humaneval", "--agent", "oracle", "--limit", "1",
+                     "--set", "env.unsafe_sandbox_without_bubblewrap=true"]) == 0
+        sandbox.allow_unsafe_fallback(True)
+        report = run(ADD, TESTS, FAST)
+        assert report.all_passed and report.meta["isolation"] == "unsafe fallback"
+        assert_failed(run(HOSTILE["fork bomb"], TESTS, FAST))
+    finally:
+        sandbox.allow_unsafe_fallback(False)
+        monkeypatch.undo()
+        sandbox.isolation.cache_clear()
+    assert run(ADD, TESTS, FAST).meta["isolation"] == "bubblewrap"

@@ -178,6 +178,10 @@ class EnvConfig:
     code_attempts: int = knob(
         1, "codeworld answers per episode: 1 = single-turn; more = failing tests come back as "
         "feedback and the agent tries again.", ge=1)
+    unsafe_sandbox_without_bubblewrap: bool = knob(
+        False, "codeworld, humaneval: where bubblewrap cannot isolate model-written code, run it "
+        "anyway in the harness's own, weaker confinement (a determined program can escape it). "
+        "Off: such machines refuse to score code, saying why.")
 
     def kwargs(self) -> dict[str, Any]:
         """Constructor arguments of the environment."""

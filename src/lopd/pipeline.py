@@ -342,9 +342,15 @@ def evaluate(cfg: Config, env, tasks: Sequence, policy, tokenizer, progress: boo
 
 
 def get_env(cfg: Config):
-    """The configured environment."""
+    """The configured environment. A code environment first checks that model-written code can
+    be isolated here (:func:`lopd.envs.sandbox.check_isolation`), so a machine without bubblewrap
+    is refused at start-up, not at the first answer."""
     from lopd.envs import get_env as build
+    from lopd.envs import sandbox
 
+    sandbox.allow_unsafe_fallback(cfg.env.unsafe_sandbox_without_bubblewrap)
+    if cfg.env.name in CODE_ENVS:
+        sandbox.check_isolation()
     return build(cfg.env.name, **cfg.env.kwargs())
 
 

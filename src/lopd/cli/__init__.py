@@ -13,6 +13,7 @@ import sys
 from lopd import __version__
 from lopd.cli import bank, cold_start, config, env, experiment, model, quickstart, train
 from lopd.config import ConfigError
+from lopd.envs.sandbox import SandboxUnavailable
 
 GROUPS = (quickstart, config, env, cold_start, train, experiment, bank, model)
 """Command modules, in the order ``lopd --help`` lists them; each has ``register(subparsers)``."""
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, FileNotFoundError, ValueError) as exc:
+    except (ConfigError, FileNotFoundError, ValueError, SandboxUnavailable) as exc:
         print(f"lopd {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

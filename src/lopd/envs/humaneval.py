@@ -5,7 +5,9 @@ Prompting is the usual one for chat models: no system prompt, one user message a
 the function, with the problem's prompt (signature and docstring) in a fenced block. The answer's
 code (:func:`lopd.envs.codegen.extract_code`) is appended to the prompt, so both a whole function
 (it replaces the stub) and a bare body (it completes it) run; then the problem's official ``check``
-runs on the entry point in the sandbox (a ``code`` test: it passes when no assertion fails).
+judges it: :mod:`lopd.envs.sandbox` records the calls ``check`` makes on the canonical solution,
+the sandboxed answer computes its outputs on them, and ``check`` is replayed on those outputs in a
+trusted process (it passes when no assertion fails).
 Reward = success = all of ``check`` passes. ``lopd eval --env humaneval`` reports pass@1 (greedy
 by default) and, with ``--samples N`` at a temperature, the unbiased pass@k for k <= N.
 
@@ -61,11 +63,12 @@ class HumanEval(Environment):
                     instruction=INSTRUCTION + fence(problem["prompt"]), tools=[],
                     oracle=[{"answer": fence(problem["prompt"] + problem["canonical_solution"])}],
                     meta={"entry_point": problem["entry_point"], "prompt": problem["prompt"],
-                          "test": problem["test"]})
+                          "test": problem["test"], "solution": problem["canonical_solution"]})
 
     def reset(self, task: Task) -> CodeEpisode:
         meta = task.meta
-        tests = [{"code": meta["test"] + f"\ncheck({meta['entry_point']})\n"}]
+        tests = [{"check": meta["test"], "entry_point": meta["entry_point"],
+                  "reference": meta["prompt"] + meta["solution"]}]
         return CodeEpisode(task, [{"role": "user", "content": task.instruction}],
                            lambda code: meta["prompt"] + "\n" + code, tests, self.limits,
                            reward="binary")
