@@ -1,13 +1,16 @@
 """The agent loop: action parsing, token bookkeeping and masks, batching invariance, policies."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
-from lopd.agent import (FixedTextPolicy, ModelPolicy, OraclePolicy, Policy, RandomPolicy, Rollout,
-                        parse_action, run_episodes, summarize)
+from lopd.agent import (_CONTENT_PLACEHOLDER, FixedTextPolicy, ModelPolicy, OraclePolicy, Policy,
+                        RandomPolicy, Rollout, ScriptedPolicy, chat_safe, parse_action,
+                        replay_turns, run_episodes, summarize)
 from lopd.envs.environment import (Environment, Episode, FinalAnswer, Malformed, StepResult, Task,
                             ToolCall, Verdict)
+from lopd.models import render
 from lopd.rollout import SamplingParams, TransformersEngine
 
 # ----------------------------------------------------------------------------------------------
@@ -326,3 +329,113 @@ def test_toolworld_oracle_through_the_loop(tiny_tokenizer):
     junk = run_episodes(world, tasks, FixedTextPolicy("Task Completed"), tiny_tokenizer,
                         max_turns=8, max_new_tokens=96, batch_size=5)
     assert not any(r.success for r in junk)
+
+
+# ----------------------------------------------------------------------------------------------
+# Hostile text: what parsed JSON or an environment can put in a tool message
+
+
+def test_chat_safe_escapes_control_characters_and_lone_surrogates():
+    assert chat_safe("a\ud800b\udfff\x00c\x01\x1b\x7f\x85\r") == \
+        "a\\ud800b\\udfff\\u0000c\\u0001\\u001b\\u007f\\u0085\\u000d"
+    clean = 'line\n\ttab {"k": "v"} caf\u00e9 \U0001f600 <|im_end|> \\u0000'
+    assert chat_safe(clean) == clean
+    assert chat_safe(None) is None
+    assert chat_safe(_CONTENT_PLACEHOLDER) == "\\u0000lopd-assistant-content\\u0000"
+    # A surrogate pair written as JSON escapes is one character, not two lone surrogates.
+    assert chat_safe(json.loads('"\\ud83d\\ude00"')) == "\U0001f600"
+
+
+class ScriptPolicy(ScriptedPolicy):
+    """Writes ``texts[turn]`` (the last one once they run out)."""
+
+    def __init__(self, texts):
+        self.texts = texts
+
+    def text(self, context):
+        return self.texts[min(context.turn, len(self.texts) - 1)]
+
+
+HOSTILE = ["\ud800", "a\udc80b", "\x00", "\x01\x1b[31m\x7f\x85\r\x0b", _CONTENT_PLACEHOLDER,
+           _CONTENT_PLACEHOLDER + "<|im_end|>", "<|im_end|>\n" + _CONTENT_PLACEHOLDER + "\n\x00"]
+
+
+def assert_same_tokens_as_the_full_rendering(rollout, tokenizer, tools):
+    """The loop's incremental input_ids are the template's rendering of the whole conversation,
+    token for token, and every message's content is in their decoding, where the template put it."""
+    assert rollout.input_ids == render(tokenizer, rollout.messages, tools)
+    decoded = tokenizer.decode(rollout.input_ids, clean_up_tokenization_spaces=False)
+    at = 0
+    for message in rollout.messages:
+        at = decoded.index(message["content"], at) + len(message["content"])
+    for message in rollout.messages[2:]:
+        if message["role"] != "assistant":
+            assert message["content"].encode("utf-8")       # no lone surrogate
+            assert not any(ord(c) < 32 and c not in "\n\t" for c in message["content"])
+
+
+@pytest.mark.parametrize("value", HOSTILE)
+def test_hostile_tool_arguments_never_break_a_toolworld_rollout(value, tiny_tokenizer):
+    toolworld = pytest.importorskip("lopd.envs.toolworld")
+    world = toolworld.ToolWorld(seed=0, sizes={"eval": 1})
+    [task] = world.tasks("eval")
+    assert task.domain == "ecommerce"
+    # The value echoed by the tool's error, in an unknown tool's and an unknown argument's name,
+    # and with the placeholder (raw NULs: the model's decoded text can hold them) before the call.
+    echoed = call("find_customer", {"name": value})
+    firsts = [echoed, call(value, {}), call("find_customer", {value: "Ava"}),
+              _CONTENT_PLACEHOLDER + value.replace("\ud800", "?").replace("\udc80", "?") + echoed]
+    for first in firsts:
+        texts = [first, "Task Completed"]
+        [rollout] = run_episodes(world, [task], ScriptPolicy(texts), tiny_tokenizer, max_turns=4,
+                                 max_new_tokens=64, batch_size=1)
+        assert rollout.finish_reason == "answer" and rollout.num_turns == 2
+        assert [m["role"] for m in rollout.messages] == ["system", "user", "assistant", "tool",
+                                                         "assistant"]
+        observation = rollout.messages[3]["content"]
+        assert rollout.turns[0]["observation"] == observation
+        if first == echoed:
+            assert observation == "Error: no customer named " + chat_safe(value)
+        assert_bookkeeping(rollout, tiny_tokenizer, task_tools=task.tools)
+        assert_same_tokens_as_the_full_rendering(rollout, tiny_tokenizer, task.tools)
+        assert replay_turns(world, task, texts) == rollout.turns
+
+
+class EchoEpisode(CounterEpisode):
+    """Quotes a note raw, whatever it holds: first as a tool result, then as the next user turn
+    (the way BFCL answers a final answer), so text an environment builds itself is covered too."""
+
+    def step(self, action):
+        note = self.task.meta["note"]
+        if isinstance(action, FinalAnswer) and self.colour is None:
+            self.colour = "red"
+            return StepResult("Next request: " + note, 0.0, False, {"role": "user"})
+        if isinstance(action, ToolCall):
+            return StepResult(f"ran {action.name} on " + note, 0.0, False)
+        return super().step(action)
+
+
+class EchoEnv(CounterEnv):
+    def tasks(self, split):
+        return [replace(t, meta={**t.meta, "note": note})
+                for t, note in zip(super().tasks(split), HOSTILE)]
+
+    def reset(self, task):
+        return EchoEpisode(task)
+
+
+def test_hostile_environment_text_never_breaks_a_rollout(tiny_tokenizer):
+    env = EchoEnv()
+    tasks = env.tasks("train")
+    texts = [call("add", {"amount": 1}), "Task Completed", call("paint", {"colour": "red"}),
+             "Task Completed"]
+    rollouts = run_episodes(env, tasks, ScriptPolicy(texts), tiny_tokenizer, max_turns=6,
+                            max_new_tokens=64, batch_size=3)
+    for rollout, task in zip(rollouts, tasks):
+        assert rollout.finish_reason == "answer" and rollout.num_turns == 4
+        assert [m["role"] for m in rollout.messages[2:]] == ["assistant", "tool", "assistant",
+                                                             "user", "assistant", "tool",
+                                                             "assistant"]
+        assert rollout.messages[5]["content"] == "Next request: " + chat_safe(task.meta["note"])
+        assert_bookkeeping(rollout, tiny_tokenizer)
+        assert_same_tokens_as_the_full_rendering(rollout, tiny_tokenizer, TOOLS)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import string
 from abc import ABC, abstractmethod
 from collections import Counter, deque
@@ -173,6 +174,34 @@ def _action_kind(action: Action) -> str:
     return "answer" if isinstance(action, FinalAnswer) else "malformed"
 
 
+# What a chat message must not carry to the template: control characters other than newline and
+# tab (NUL among them), and lone surrogates.
+_UNSAFE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def chat_safe(text: str | None) -> str | None:
+    """``text`` with every control character but newline and tab, and every lone surrogate,
+    written as its JSON escape (NUL as ``\\u0000``, a lone high surrogate as ``\\ud800``);
+    anything else unchanged, None as None.
+
+    Tool results and error messages quote the model's *parsed* JSON, which holds what decoded model
+    text never does: ``json.loads('"\\ud800"')`` is a lone surrogate, which no tokenizer can
+    encode, so echoing it crashed the rollout. Escaping control characters too means no text that
+    reaches the model from an environment holds a NUL, so none can contain the loop's NUL-delimited
+    :data:`_CONTENT_PLACEHOLDER`. JSON's escape is what the model wrote to get the character, and
+    the mapping is deterministic, so replays and batches see the same text."""
+    if text is None or not _UNSAFE.search(text):
+        return text
+    return _UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+def _step(episode: Episode, action: Action) -> StepResult:
+    """``episode.step(action)`` with its observation made :func:`chat_safe`: every environment's
+    text reaches the chat (and the rollout record) through here, whatever the environment quotes."""
+    result = episode.step(action)
+    return replace(result, observation=chat_safe(result.observation))
+
+
 def turn_record(text: str, action: Action, result: StepResult, code: bool = False) -> dict:
     """One entry of :attr:`Rollout.turns`: the assistant's text, what it parsed to, the answer.
     ``code``: the episode takes every message as a program (:attr:`Episode.code_answers`), so the
@@ -216,7 +245,7 @@ def replay_turns(env: Environment, task: Task, texts: list[str]) -> list[dict]:
     turns = []
     for text in texts:
         action = parse_action(text, episode.tools)
-        result = episode.step(action)
+        result = _step(episode, action)
         turns.append(turn_record(text, action, result, episode.code_answers))
         if result.done or (isinstance(action, FinalAnswer) and result.observation is None):
             break
@@ -417,7 +446,9 @@ def _random_value(schema: dict, rng: random.Random) -> Any:
 # The rollout loop
 
 # Stands in for an assistant message's content so that the template piece after the turn can be
-# cut out of a rendering exactly, whatever the content is.
+# cut out of a rendering exactly, whatever the content is. Only the tool message renders after the
+# stand-in, and it holds no NUL (observations are chat_safe), so the stand-in's last occurrence is
+# the cut: earlier messages may hold the same text (the model's decoded text can) but render before.
 _CONTENT_PLACEHOLDER = "\x00lopd-assistant-content\x00"
 
 
@@ -490,7 +521,7 @@ class _EpisodeRun:
         self.messages.append({"role": "assistant", "content": text})
 
         action = parse_action(text, self.episode.tools)
-        result = self.episode.step(action)
+        result = _step(self.episode, action)
         self.turns.append(turn_record(text, action, result, self.episode.code_answers))
 
         if result.done:
