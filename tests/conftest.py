@@ -103,3 +103,38 @@ def resume_keeps_the_ema_teacher(build, tmp_path, sets):
     return tuple({r["step"]: r for r in trainer.read_jsonl(tmp_path / name / trainer.METRICS_FILE)}
                  for name in ("whole", "cut"))
 
+
+
+GRPO_RUN = ["env.train_size=20", "env.eval_size=2", "env.pretrain_size=0",
+            "train.rollouts_per_step=4", "train.eval_tasks=2", "train.max_steps=4",
+            "train.save_every=2", "train.eval_every=2", "rollout.max_turns=2",
+            "rollout.max_completion_length=32", "train.algorithm=grpo", "grpo.num_generations=2",
+            "train.learning_rate=1e-3"]
+"""Overrides of the tiny preset for a 4-step GRPO run that takes seconds."""
+
+
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory):
+    """A finished 4-step GRPO run (:data:`GRPO_RUN`) with its two kept checkpoints, step-000002
+    and step-000004. Never changed: tests damage copies of it."""
+    from lopd import trainer
+    from lopd.algorithms import get_algorithm
+    from lopd.config import load_config
+
+    run = tmp_path_factory.mktemp("finished") / "run"
+    trainer.Trainer(load_config("tiny", GRPO_RUN), run, get_algorithm("grpo"),
+                    progress=False).run()
+    assert [c.name for c in trainer.checkpoints(run)] == ["step-000002", "step-000004"]
+    return run
+
+
+def cut(path, keep=0.5):
+    """Truncate ``path`` to ``keep`` of its bytes, as a full disk or an interrupted copy does."""
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+def snapshot(folder):
+    """Every file under ``folder`` with its bytes (to assert that nothing saved changed)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file()}

@@ -1,8 +1,10 @@
 import json
 import re
+import shutil
 
 import pytest
 
+from conftest import cut, snapshot
 from lopd.cli import build_parser, main
 
 SUBCOMMANDS = [[], ["quickstart"], ["config"], ["model"], ["model", "new"], ["model", "info"], ["model", "prepare"],
@@ -173,3 +175,165 @@ def test_quickstart_can_build_its_own_base_and_says_when_it_is_too_weak(tmp_path
     err = capsys.readouterr().err
     assert "the cold start needs more than bank.n_ret=2 successes" in err
     assert (tmp_path / "quickstart" / "base" / "config.json").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad inputs: one line on stderr naming what is wrong, exit status 2, nothing saved lost.
+
+SMALL = [arg for sets in ("env.train_size=20", "env.eval_size=2", "env.pretrain_size=0")
+         for arg in ("--set", sets)]
+EMBEDDED = "embedded: toolworld-1m, toolworld-1m-plain, codeworld-1m"
+
+
+def error_line(capsys) -> str:
+    """The one line a refused command printed on stderr (asserting there is only one)."""
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.endswith("\n"), err
+    return err.rstrip("\n")
+
+
+def test_a_bank_is_never_built_into_a_file(tmp_path, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("keep me")
+    build = ["bank", "build", "--agent", "oracle", "--limit", "2", *SMALL]
+    assert main([*build, "--out", str(notes)]) == 2
+    assert error_line(capsys) == f"lopd bank: error: bank folder {notes} is a file, not a folder"
+    assert main([*build, "--out", str(notes / "bank")]) == 2
+    assert error_line(capsys) == (f"lopd bank: error: bank folder {notes / 'bank'}: {notes} is a "
+                                  "file, not a folder")
+    assert notes.read_text() == "keep me" and sorted(tmp_path.iterdir()) == [notes]
+
+
+def test_a_missing_model_folder_is_one_line_and_nothing_is_asked_of_the_hub(tmp_path, capsys,
+                                                                            monkeypatch):
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda *a, **k: pytest.fail("transformers was asked for the model"))
+    missing = tmp_path / "no-such-model"
+    line = f"model {missing}: no such folder, and not an embedded model ({EMBEDDED})"
+    assert main(["eval", "--model", str(missing), "--limit", "1", *SMALL]) == 2
+    assert error_line(capsys) == f"lopd eval: error: {line}"
+    assert main(["model", "info", str(missing)]) == 2
+    assert error_line(capsys) == f"lopd model: error: {line}"
+    assert main(["model", "prepare", str(missing), "--out", str(tmp_path / "prepared")]) == 2
+    assert error_line(capsys) == f"lopd model: error: {line}"
+    assert main(["model", "info", "toolworld-1n"]) == 2
+    assert error_line(capsys) == ("lopd model: error: model toolworld-1n: no such folder, and not "
+                                  f"an embedded model ({EMBEDDED})")
+    assert sorted(tmp_path.iterdir()) == []
+
+
+STATE_CUT = ("is unreadable (RuntimeError: PytorchStreamReader failed reading zip archive: failed "
+             "finding central directory)")
+
+
+def test_resume_falls_back_to_the_newest_whole_checkpoint_and_stays_exact(finished_run, tmp_path,
+                                                                          capsys):
+    """The newest checkpoint's state.pt is cut and the metrics end in a torn record (a kill
+    mid-write): the run resumes from step-000002, says so in one line, and repeats steps 3 and 4
+    as the uninterrupted run did."""
+    from lopd import trainer
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    state = run / "checkpoints" / "step-000004" / trainer.STATE_FILE
+    cut(state)
+    with (run / trainer.METRICS_FILE).open("a") as f:
+        f.write('{"step": 5, "generations": 2')
+    assert main(["train", "--resume", str(run)]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert notes == [f"note: resuming {run} from step-000002, its newest whole checkpoint; "
+                     f"skipped step-000004: {state} {STATE_CUT}"]
+    whole = trainer.read_jsonl(finished_run / trainer.METRICS_FILE)
+    resumed = trainer.read_jsonl(run / trainer.METRICS_FILE)
+    assert [r["step"] for r in resumed] == [r["step"] for r in whole] == [0, 1, 2, 3, 4]
+    for a, b in zip(whole, resumed):
+        for key in a:
+            if not key.startswith(("time/", "memory/")):
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
+    assert (run / trainer.METRICS_FILE).read_text().endswith("}\n")
+    assert trainer.read_checkpoint(state.parent)["step"] == 4  # written again, whole
+    assert [c.name for c in trainer.checkpoints(run)] == ["step-000002", "step-000004"]
+
+
+def test_resume_with_no_readable_checkpoint_or_a_damaged_record_changes_nothing(
+        finished_run, tmp_path, capsys):
+    from lopd import trainer
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    lines = (run / trainer.METRICS_FILE).read_text().splitlines(keepends=True)
+    (run / trainer.METRICS_FILE).write_text("".join([lines[0], '{"step": 1, oops\n', *lines[2:]]))
+    saved = snapshot(run)
+    assert main(["train", "--resume", str(run)]) == 2
+    assert error_line(capsys) == (f"lopd train: error: {run / trainer.METRICS_FILE}:2: not a JSON "
+                                  "record (Expecting property name enclosed in double quotes: "
+                                  "line 1 column 13 (char 12))")
+    assert snapshot(run) == saved
+    state = run / "checkpoints" / "step-000004" / trainer.STATE_FILE
+    weights = run / "checkpoints" / "step-000002" / "student" / "model.safetensors"
+    cut(state)
+    cut(weights)
+    saved = snapshot(run)
+    assert main(["train", "--resume", str(run)]) == 2
+    assert error_line(capsys) == (
+        f"lopd train: error: {run} has no readable checkpoint to resume from: skipped "
+        f"step-000004: {state} {STATE_CUT}; skipped step-000002: {weights} is unreadable "
+        "(SafetensorError: Error while deserializing header: incomplete metadata, file not fully "
+        "covered)")
+    assert snapshot(run) == saved
+
+
+REFUSED_STARTS = [
+    (["--algo", "lopd"], "LOPD needs a cold-started composer and a bank: pass --composer DIR and "
+     "--bank DIR (or set lopd.composer and lopd.bank)"),
+    (["--algo", "lopd", "--composer", "TMP/nope", "--bank", "TMP/nope"],
+     "lopd.composer: TMP/nope does not exist"),
+    (["--algo", "lopd", "--composer", "TMP", "--bank", "TMP"],
+     "lopd.composer: TMP is not a composer folder (no composer.json)"),
+    (["--algo", "grpo", "--set", "grpo.num_generations=3", "--set", "train.rollouts_per_step=4"],
+     "train.rollouts_per_step=4 must be a multiple of grpo's group size 3"),
+    (["--algo", "grpo", "--set", "train.eval_split=validation", "--set", "train.eval_tasks=20"],
+     "train.eval_tasks=20 validation tasks leave no training task of 20"),
+    (["--algo", "sdpo", "--set", "rollout.temperature=0.7"], "training rollouts must sample what "
+     "the training forward scores (temperature 1, no truncation): rollout.temperature=0.7 is "
+     "refused; evaluation keeps rollout.eval_temperature"),
+    (["--algo", "grpo", "--set", "model.name_or_path=TMP/none"],
+     f"model TMP/none: no such folder, and not an embedded model ({EMBEDDED})"),
+    (["--algo", "grpo", "--set", "train.learning_rate=1e999"],
+     "train.learning_rate: got '1e999' (read as inf); expected a finite number"),
+]
+
+
+@pytest.mark.parametrize("args, message", REFUSED_STARTS,
+                         ids=["lopd-inputs", "lopd-missing", "lopd-not-a-composer", "groups",
+                              "validation", "temperature", "model", "inf"])
+def test_a_refused_start_leaves_no_run_folder(args, message, tmp_path, capsys):
+    """Every check that needs only the config runs before the run folder is written (the
+    temperature refusal of test_protocol, generalised)."""
+    out = tmp_path / "run"
+    args = [a.replace("TMP", str(tmp_path)) for a in args]
+    assert main(["train", "--out", str(out), *SMALL, *args]) == 2
+    assert error_line(capsys) == "lopd train: error: " + message.replace("TMP", str(tmp_path))
+    assert not out.exists()
+
+
+def test_after_a_refused_start_the_corrected_command_trains(tmp_path, capsys):
+    from lopd import trainer
+
+    out = tmp_path / "run"
+    start = ["train", "--algo", "grpo", "--out", str(out), *SMALL,
+             *(arg for sets in ("train.rollouts_per_step=4", "train.eval_tasks=2",
+                                "train.max_steps=1", "rollout.max_turns=2",
+                                "rollout.max_completion_length=32") for arg in ("--set", sets))]
+    assert main([*start, "--set", "grpo.num_generations=3"]) == 2
+    assert "grpo's group size 3" in error_line(capsys) and not out.exists()
+    notes = tmp_path / "notes.txt"
+    notes.write_text("keep me")
+    assert main([*start[:4], str(notes), *start[5:]]) == 2
+    assert error_line(capsys) == f"lopd train: error: {notes} is a file, not a run folder"
+    assert notes.read_text() == "keep me"
+    assert main([*start, "--set", "grpo.num_generations=2"]) == 0
+    assert [c.name for c in trainer.checkpoints(out)] == ["step-000001"]
+    assert (out / trainer.CONFIG_FILE).is_file()

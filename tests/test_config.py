@@ -47,6 +47,30 @@ def test_errors_name_the_key_and_what_is_allowed(override, fragments):
         assert fragment in str(err.value)
 
 
+@pytest.mark.parametrize("override, message", [
+    ("train.learning_rate=1e999", "train.learning_rate: got '1e999' (read as inf); expected a "
+                                  "finite number"),
+    ("train.max_grad_norm=.inf", "train.max_grad_norm: got inf; expected a finite number"),
+    ("lopd.margin=nan", "lopd.margin: got 'nan' (read as nan); expected a finite number"),
+    ("lopd.margin=-.inf", "lopd.margin: got -inf; expected a finite number"),
+    ("rollout.temperature=.nan", "rollout.temperature: got nan; expected a finite number"),
+    ("train.weight_decay=" + "9" * 400, "train.weight_decay: got an integer of 400 digits; "
+                                        "expected a finite number"),
+])
+def test_no_float_setting_takes_inf_or_nan(override, message):
+    # lopd.margin has no bounds, so only the finiteness check stands between nan and a run.
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", [override])
+    assert str(err.value) == message
+
+
+def test_inf_in_a_yaml_file_is_refused_naming_the_key(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("cold_start:\n  learning_rate: 1.0e+400\n")
+    with pytest.raises(ConfigError, match=r"^cold_start.learning_rate: got inf; expected a finite"):
+        load_config(path)
+
+
 def test_unknown_key_in_yaml_is_named(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("rollout:\n  temprature: 0.7\n")

@@ -1,8 +1,12 @@
 """The shared loop's pieces that need no model: task sampling, the updater, the run folder."""
 
+import re
+import shutil
+
 import pytest
 import torch
 
+from conftest import GRPO_RUN, cut
 from lopd import trainer
 from lopd.algorithms import get_algorithm
 from lopd.algorithms.base import Algorithm, Updater
@@ -139,3 +143,100 @@ def test_the_engine_gets_the_students_weights_after_every_update(tmp_path, monke
     assert len(pushed) == 2 and all(engine is t.engine for engine, _ in pushed)
     final = t.ctx.student.state_dict()
     assert all(torch.equal(v, final[k]) for k, v in pushed[-1][1].items())
+
+
+# ----------------------------------------------------------------------------------------------
+# Damaged run folders and refused starts: one line naming the file or key, nothing saved lost.
+
+
+def test_resume_skips_a_checkpoint_whose_student_weights_are_cut(finished_run, tmp_path,
+                                                                 capsys):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    weights = run / "checkpoints" / "step-000004" / "student" / "model.safetensors"
+    cut(weights)
+    checkpoint, state = trainer.resume_point(run)
+    assert checkpoint.name == "step-000002" and state["step"] == 2
+    assert capsys.readouterr().err == (
+        f"note: resuming {run} from step-000002, its newest whole checkpoint; skipped "
+        f"step-000004: {weights} is unreadable (SafetensorError: Error while deserializing "
+        "header: incomplete metadata, file not fully covered)\n")
+    assert weights.exists()  # left for the resumed run to write again, not deleted
+
+
+def test_a_checkpoint_is_read_whole_or_refused_naming_the_file(finished_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    folder = run / "checkpoints" / "step-000004"
+    assert trainer.read_checkpoint(folder)["step"] == 4
+    (folder / "student" / "config.json").write_text('{"model_type": ')
+    with pytest.raises(trainer.RunError, match=re.escape(
+            f"{folder / 'student' / 'config.json'} is unreadable (JSONDecodeError: Expecting "
+            "value: line 1 column 16 (char 15))")):
+        trainer.read_checkpoint(folder)
+    (folder / trainer.STATE_FILE).write_bytes(b"")
+    with pytest.raises(trainer.RunError, match=re.escape(
+            f"{folder / trainer.STATE_FILE} is unreadable (EOFError: Ran out of input)")):
+        trainer.read_checkpoint(folder)
+
+
+def test_a_torn_last_record_is_left_out_and_any_other_bad_line_is_named(tmp_path):
+    path = tmp_path / trainer.METRICS_FILE
+    path.write_text('{"step": 0}\n{"step": 1}\n{"step": 2, "loss": 0.')
+    assert trainer.read_jsonl(path) == [{"step": 0}, {"step": 1}]
+    path.write_text('{"step": 0}\n{"step": 1\n{"step": 2}\n')
+    with pytest.raises(trainer.RunError) as err:
+        trainer.read_jsonl(path)
+    assert str(err.value) == (f"{path}:2: not a JSON record (Expecting ',' delimiter: line 1 "
+                              "column 11 (char 10))")
+    path.write_text('{"step": 0}\n{"step": 1}')  # whole, only its newline missing
+    assert trainer.read_jsonl(path) == [{"step": 0}, {"step": 1}]
+    path.write_text('{"step": 0}\n[1, 2]\n')
+    with pytest.raises(trainer.RunError, match=re.escape(f"{path}:2: not a JSON record (a list)")):
+        trainer.read_jsonl(path)
+
+
+@pytest.mark.parametrize("algo, sets, world, message", [
+    ("grpo", ["grpo.num_generations=3"], (1, "ddp"),
+     "train.rollouts_per_step=4 must be a multiple of grpo's group size 3"),
+    ("grpo", [], (4, "ddp"), "train.rollouts_per_step=4 is 2 task groups of 2, which do not split "
+     "evenly over 4 processes: make the groups a multiple of 4"),
+    ("sdft", [], (2, "fsdp2"), "sdft keeps a full EMA copy of the student next to the student, "
+     "which train.parallel=fsdp2 shards; use train.parallel=ddp"),
+    ("skill_sd", ["skill_sd.num_generations=2"], (2, "fsdp2"),
+     "skill_sd keeps a teacher that scores with the student's full weights next to the student, "
+     "which train.parallel=fsdp2 shards; use train.parallel=ddp"),
+    ("grpo", ["train.student=lora"], (2, "fsdp2"), "train.parallel=fsdp2 shards a full student; "
+     "a LoRA student (train.student=lora) trains with train.parallel=ddp"),
+    ("grpo", ["model.name_or_path=/no/such/model"], (1, "ddp"), "model /no/such/model: no such "
+     "folder, and not an embedded model (embedded: toolworld-1m, toolworld-1m-plain, "
+     "codeworld-1m)"),
+    ("lopd", [], (1, "ddp"), "LOPD needs a cold-started composer and a bank: pass --composer DIR "
+     "and --bank DIR (or set lopd.composer and lopd.bank)"),
+], ids=["group", "processes", "ema-fsdp2", "skill-fsdp2", "lora-fsdp2", "model", "lopd-inputs"])
+def test_every_start_the_config_rules_out_is_refused_before_anything_is_built(
+        algo, sets, world, message):
+    from lopd.distributed import World
+
+    cfg = load_config("tiny", [*GRPO_RUN, f"train.algorithm={algo}", *sets])
+    with pytest.raises((ValueError, FileNotFoundError)) as err:
+        trainer.check_start(cfg, get_algorithm(algo), World(size=world[0], parallel=world[1]),
+                            fresh=True)
+    assert str(err.value) == message
+
+
+def test_a_start_that_fails_while_loading_leaves_the_folder_reusable(tmp_path):
+    """Config checks pass, the model's weights are cut: no config.yaml is written, so the same
+    folder takes a corrected start."""
+    from lopd import models
+
+    broken = tmp_path / "broken-model"
+    shutil.copytree(models.EMBEDDED_DIR, broken)
+    cut(broken / "model.safetensors")
+    cfg = load_config("tiny", [*GRPO_RUN, f"model.name_or_path={broken}"])
+    with pytest.raises(Exception, match="model.safetensors|deserializing header"):
+        trainer.Trainer(cfg, tmp_path / "run", get_algorithm("grpo"), progress=False)
+    assert not (tmp_path / "run" / trainer.CONFIG_FILE).exists()
+    t = trainer.Trainer(load_config("tiny", GRPO_RUN), tmp_path / "run", get_algorithm("grpo"),
+                        progress=False)
+    assert (tmp_path / "run" / trainer.CONFIG_FILE).is_file() and t.start_step == 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -66,8 +67,8 @@ class ModelConfig:
     """Which causal LM to use, and how to build the tiny default when asked to."""
 
     name_or_path: str = knob(
-        "toolworld-1m", "A local folder with a Hugging Face causal LM and tokenizer, a hub id (only "
-        "where a network exists), or an embedded model: toolworld-1m (the toolworld base), "
+        "toolworld-1m", "A local folder with a Hugging Face causal LM and tokenizer, or an embedded "
+        "model (nothing is downloaded): toolworld-1m (the toolworld base), "
         "toolworld-1m-plain (its first stage, plain requests only), codeworld-1m (the code base).")
     architecture: Literal["qwen3-1m", "qwen3-4m", "qwen3-4b", "qwen3-8b", "olmo3-7b"] = knob(
         "qwen3-1m", "Shape of a newly built model: 'qwen3-1m' (hidden 128, 2 layers, ~1M "
@@ -415,14 +416,22 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
         # PyYAML reads "5e-4" (no dot) as a string; people write rates that way.
-        if isinstance(value, str):
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool):
             try:
-                return float(value)
-            except ValueError:
-                pass
+                number = float(value)
+            except ValueError:  # a string that is not a number
+                number = None
+            except OverflowError:  # an integer beyond every float
+                raise ConfigError(f"{key}: got an integer of {len(str(value))} digits; expected "
+                                  "a finite number") from None
+            if number is not None:
+                # No setting means anything at inf or nan ("1e999" reads as inf): refused here,
+                # naming the key, rather than trained on as non-finite losses.
+                if not math.isfinite(number):
+                    read_as = "" if isinstance(value, float) else f" (read as {number})"
+                    raise ConfigError(f"{key}: got {value!r}{read_as}; expected a finite number")
+                return number
     elif tp is str:
         if isinstance(value, str):
             return value

@@ -335,6 +335,17 @@ def _read_settings(conn: sqlite3.Connection, path: Path) -> tuple[dict, Embedder
     return settings, spec
 
 
+def _writable_folder(folder: Path) -> None:
+    """Refuse a bank folder that is, or lies under, an existing file: said before anything is
+    loaded or written, instead of an OSError from deep inside ``mkdir``."""
+    for path in (folder, *folder.parents):
+        if path.exists():
+            if not path.is_dir():
+                raise BankError(f"bank folder {folder} is a file, not a folder" if path == folder
+                                else f"bank folder {folder}: {path} is a file, not a folder")
+            return
+
+
 class ExperienceBank:
     """Successful training rollouts in one folder, searchable by task text.
 
@@ -373,6 +384,7 @@ class ExperienceBank:
             raise BankError(f"reward_threshold must be in [0, 1], got {reward_threshold}")
         if max_observation_chars < 1:
             raise BankError(f"max_observation_chars must be >= 1, got {max_observation_chars}")
+        _writable_folder(folder)
         path = folder / DB_NAME
         if path.exists():
             raise BankError(f"{folder} already holds an experience bank; open it instead")
@@ -429,6 +441,7 @@ class ExperienceBank:
                        device: torch.device | str = "cpu",
                        trust_remote_code: bool = False) -> ExperienceBank:
         """Open the bank in ``folder`` (its stored settings win), or create it from these."""
+        _writable_folder(Path(folder))
         if (Path(folder) / DB_NAME).exists():
             return cls.open(folder, batch_size=batch_size, device=device,
                             trust_remote_code=trust_remote_code)
@@ -634,6 +647,7 @@ class ExperienceBank:
         """A consistent copy of this bank (table and stored rollouts) in ``folder``, which must not
         hold a bank. SQLite's backup API copies committed state even while the WAL is in use."""
         folder = Path(folder)
+        _writable_folder(folder)
         if (folder / DB_NAME).exists():
             raise BankError(f"{folder} already holds an experience bank")
         folder.mkdir(parents=True, exist_ok=True)

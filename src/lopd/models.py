@@ -169,8 +169,11 @@ def build_model(tokenizer, preset: str = "qwen3-1m", seed: int = 0,
 
 
 def resolve_model_path(name_or_path: str | Path) -> str:
-    """'toolworld-1m' / 'toolworld-1m-plain' / 'codeworld-1m' are the embedded models; a folder must hold a config;
-    anything else is a hub id."""
+    """The local folder of an embedded model ('toolworld-1m', 'toolworld-1m-plain',
+    'codeworld-1m') or of a model folder, which must hold a config.
+
+    Anything else is refused here in one line, never passed on to transformers as a hub id: lopd
+    downloads nothing, and a mistyped path would otherwise end in a page of hub errors."""
     name = str(name_or_path)
     if name in EMBEDDED:
         if not (EMBEDDED[name] / "config.json").exists():
@@ -179,16 +182,17 @@ def resolve_model_path(name_or_path: str | Path) -> str:
                 "build one with `lopd base --out DIR` and pass that folder instead")
         return str(EMBEDDED[name])
     path = Path(name)
-    if path.exists():
-        if not (path / "config.json").exists():
-            raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model folder")
-        return str(path)
-    return name
+    if not path.exists():
+        raise FileNotFoundError(f"model {name}: no such folder, and not an embedded model "
+                                f"(embedded: {', '.join(EMBEDDED)})")
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model folder")
+    return str(path)
 
 
 def load_model(name_or_path: str | Path, device: torch.device | str = "cpu",
                dtype: torch.dtype = torch.float32, trust_remote_code: bool = False):
-    """Load a causal LM and its tokenizer from a local folder (or a hub id where a network exists)."""
+    """Load a causal LM and its tokenizer from a local folder or an embedded model name."""
     path = resolve_model_path(name_or_path)
     tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,

@@ -215,13 +215,13 @@ def build_and_save(cfg: Config, corpus: list[str], out: str | Path) -> dict:
 
 
 def prepare_model(cfg: Config, source: str | Path, out: str | Path) -> dict:
-    """Make any Hugging Face causal LM (folder, embedded name or hub id) ready for lopd and save it,
-    model and tokenizer, in ``out``: ``<|latent|>`` added when absent (a special token; embeddings
-    resized and the new row the mean of the existing ones, :func:`lopd.models.add_latent_token`),
-    generation stopping at the template's end-of-turn token, and the chat template checked
-    (:func:`lopd.agent.check_chat_template`: system message with tools, tool-call turn, tool result,
-    an agent episode, the reference block's place). A failed required check stops before anything
-    is written. ``model.trust_remote_code`` is honoured; the checkpoint keeps its dtype. Returns
+    """Make any Hugging Face causal LM (a local folder or an embedded name) ready for lopd and
+    save it, model and tokenizer, in ``out``: ``<|latent|>`` added when absent (a special token;
+    embeddings resized and the new row the mean of the existing ones,
+    :func:`lopd.models.add_latent_token`), generation stopping at the template's end-of-turn
+    token, and the chat template checked (:func:`lopd.agent.check_chat_template`: system message
+    with tools, tool-call turn, tool result, an agent episode, the reference block's place). A
+    failed required check stops before anything is written. ``model.trust_remote_code`` is honoured; the checkpoint keeps its dtype. Returns
     what was done."""
     from transformers import AutoModelForCausalLM
 

@@ -40,6 +40,8 @@ METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"
 PLOT_FILE = "training.png"
 CHECKPOINTS = "checkpoints"
+STATE_FILE = "state.pt"
+"""A checkpoint's step, counters, optimiser and algorithm state and RNG states."""
 OPTIMIZER_DIR = "student_optimizer"
 """The student's optimiser state of a multi-process run (torch.distributed.checkpoint)."""
 RNG_DIR = "rng"
@@ -118,11 +120,119 @@ def read_config(run_dir: Path, overrides: list[str] | None = None) -> Config:
 
 
 def checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first (a half-written one is never listed)."""
+    """Complete checkpoints of a run, oldest first: a checkpoint is written in a temporary folder
+    renamed when complete, so a half-written one is never listed. Whether a listed one's files are
+    still intact (a disk that filled, a copy cut short) is :func:`read_checkpoint`'s question,
+    which resume asks; listing stays cheap for the callers that only count or locate them."""
     folder = run_dir / CHECKPOINTS
     if not folder.is_dir():
         return []
     return sorted(p for p in folder.iterdir() if p.is_dir() and _CHECKPOINT_RE.match(p.name))
+
+
+def _reason(exc: BaseException) -> str:
+    """An exception in a few words: its type and the first sentence of its message."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text.split('. ')[0]}" if text else type(exc).__name__
+
+
+def read_checkpoint(folder: Path) -> dict:
+    """The state (``state.pt``) of checkpoint ``folder``, once every file a resume reads from it
+    is whole: ``state.pt`` and the RNG files load, the student folder has its config, every
+    safetensors file (the student, a LoRA adapter, the composer, an EMA teacher) has its whole
+    header and data, every JSON file parses and a sharded model's index names files that exist.
+    A RunError names the first file that is not, and why. Only headers are read besides
+    ``state.pt``, which the resume needs anyway."""
+    from safetensors import safe_open
+
+    path = folder / STATE_FILE
+    if not path.is_file():
+        raise RunError(f"{path} is missing")
+    # Whatever a cut or damaged pickle raises (EOFError, RuntimeError from the zip reader,
+    # UnpicklingError, ...) means the same: this checkpoint cannot be resumed from.
+    try:
+        state = torch.load(path, weights_only=False)
+    except Exception as exc:
+        raise RunError(f"{path} is unreadable ({_reason(exc)})") from None
+    if not isinstance(state, dict) or not {"step", "generations", "student_updater",
+                                           "algorithm", "rng"} <= set(state):
+        raise RunError(f"{path} is not a checkpoint's state")
+    for rng in sorted((folder / RNG_DIR).glob("*.pt")):
+        try:
+            torch.load(rng, weights_only=False)
+        except Exception as exc:
+            raise RunError(f"{rng} is unreadable ({_reason(exc)})") from None
+    if not (folder / "student" / "config.json").is_file():
+        raise RunError(f"{folder / 'student'} has no config.json")
+    for weights in sorted(folder.rglob("*.safetensors")):
+        try:
+            with safe_open(str(weights), "pt"):
+                pass
+        except Exception as exc:
+            raise RunError(f"{weights} is unreadable ({_reason(exc)})") from None
+    for record in sorted(folder.rglob("*.json")):
+        try:
+            data = json.loads(record.read_text())
+        except ValueError as exc:
+            raise RunError(f"{record} is unreadable ({_reason(exc)})") from None
+        if record.name.endswith(".safetensors.index.json"):
+            missing = sorted({name for name in data.get("weight_map", {}).values()
+                              if not (record.parent / name).is_file()})
+            if missing:
+                raise RunError(f"{record} names missing files: {', '.join(missing)}")
+    return state
+
+
+def resume_point(run_dir: Path, world: distributed.World = distributed.SINGLE
+                 ) -> tuple[Path, dict]:
+    """(checkpoint, its state) to resume ``run_dir`` from: the newest checkpoint that
+    :func:`read_checkpoint` finds whole. A newer one that is not is skipped, said in one line,
+    and left where it is (the resumed run writes that step's checkpoint again when it gets there);
+    none whole is a RunError saying why each was refused."""
+    import sys
+
+    skipped = []
+    for folder in reversed(checkpoints(run_dir)):
+        try:
+            state = read_checkpoint(folder)
+        except RunError as exc:
+            skipped.append(f"skipped {folder.name}: {exc}")
+            continue
+        if skipped and world.is_main:
+            print(f"note: resuming {run_dir} from {folder.name}, its newest whole checkpoint; "
+                  + "; ".join(skipped), file=sys.stderr)
+        return folder, state
+    if not skipped:
+        raise RunError(f"{run_dir} has no complete checkpoint to resume from")
+    raise RunError(f"{run_dir} has no readable checkpoint to resume from: {'; '.join(skipped)}")
+
+
+def check_start(cfg: Config, algorithm_cls: type, world: distributed.World, fresh: bool) -> None:
+    """Refuse, before the run folder is touched, every start the config alone rules out (a
+    refused ``lopd train --out DIR`` leaves DIR as it was): how the student is spread over the
+    processes, the step's task groups, the folder of the student's starting weights and the
+    method's own checks (:meth:`Algorithm.check_config`). The trainer has already checked the
+    rollout engine and sampling and made the tasks (which checks the validation carve-out)."""
+    fsdp2 = world.enabled and world.parallel == "fsdp2"
+    if fsdp2 and cfg.train.student == "lora":
+        raise ConfigError("train.parallel=fsdp2 shards a full student; a LoRA student "
+                          "(train.student=lora) trains with train.parallel=ddp")
+    if fsdp2 and cfg.rollout.engine == "vllm":
+        raise ConfigError("rollout.engine=vllm with train.parallel=fsdp2 is not supported: the "
+                          "engine needs the full student weights on every rank after each "
+                          "update; use train.parallel=ddp")
+    group = algorithm_cls.group_size_in(cfg)
+    if cfg.train.rollouts_per_step % group:
+        raise ConfigError(f"train.rollouts_per_step={cfg.train.rollouts_per_step} must be a "
+                          f"multiple of {algorithm_cls.name}'s group size {group}")
+    n_tasks = cfg.train.rollouts_per_step // group
+    if n_tasks % world.size:
+        raise ConfigError(f"train.rollouts_per_step={cfg.train.rollouts_per_step} is {n_tasks} "
+                          f"task groups of {group}, which do not split evenly over {world.size} "
+                          f"processes: make the groups a multiple of {world.size}")
+    if fresh or cfg.train.student == "lora":  # a resumed full student is in its checkpoint
+        models.resolve_model_path(cfg.model.name_or_path)
+    algorithm_cls.check_config(cfg, world, fresh)
 
 
 def _rng_state() -> dict:
@@ -142,10 +252,30 @@ def _set_rng_state(state: dict) -> None:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """The records of a run's JSONL file (metrics, evals); [] when it does not exist yet."""
+    """The records of a run's JSONL file (metrics, evals); [] when it does not exist yet.
+
+    A torn last line — the record of a process killed while writing it, so without its final
+    newline — is left out: it is the record of a step after the last checkpoint (a step's records
+    are written before its checkpoint), which a resume runs again and whose records it rewrites.
+    Any other line that is not a JSON object is a damaged file: a RunError naming file and line."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text(errors="replace")
+    lines = text.splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as exc:
+            if number == len(lines) and not text.endswith("\n"):
+                break
+            raise RunError(f"{path}:{number}: not a JSON record ({exc})") from None
+        if not isinstance(record, dict):
+            raise RunError(f"{path}:{number}: not a JSON record (a {type(record).__name__})")
+        records.append(record)
+    return records
 
 
 def _rewrite_jsonl(path: Path, records: list[dict]) -> None:
@@ -179,37 +309,39 @@ class Trainer:
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir)
-        found = checkpoints(self.run_dir)
-        if self.resume and not found:
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise RunError(f"{self.run_dir} is a file, not a run folder")
+        if self.resume and not checkpoints(self.run_dir):
             raise RunError(f"{self.run_dir} has no complete checkpoint to resume from")
         if not self.resume and (self.run_dir / CONFIG_FILE).exists():
             raise RunError(f"{self.run_dir} already holds a run; resume it with --resume "
                            f"{self.run_dir} or choose a new --out")
-        checkpoint = found[-1] if self.resume else None
         cfg = self.cfg
         pipeline.check_engine(cfg.rollout)
         check_sampling(cfg.rollout)
         self.world, device = distributed.init(runtime.resolve_device(cfg.run.device),
                                               cfg.train.parallel)
         world = self.world
-        if world.enabled and world.parallel == "fsdp2" and cfg.train.student == "lora":
-            raise ConfigError("train.parallel=fsdp2 shards a full student; a LoRA student "
-                              "(train.student=lora) trains with train.parallel=ddp")
+        runtime.setup(cfg.run)
+        self.env = pipeline.get_env(cfg)
+        self.train_tasks, self.eval_tasks = pipeline.held_out_tasks(cfg, self.env)
+        train_tasks = self.train_tasks
+        # Everything the config decides is refused before the run folder is touched.
+        check_start(cfg, self.algorithm_cls, world, fresh=not self.resume)
+        checkpoint, state = None, None
+        if self.resume:
+            checkpoint, state = resume_point(self.run_dir, world)
+            for name in (METRICS_FILE, EVAL_FILE):  # a damaged record is named before any load
+                read_jsonl(self.run_dir / name)
         # Every rank has looked at the folder before rank 0 writes into it.
         world.barrier()
         if world.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            if not self.resume:
-                write_config(self.cfg, self.run_dir / CONFIG_FILE)
         world.barrier()
 
-        runtime.setup(cfg.run)
         self.device = device
         self.precision = runtime.resolve_precision(cfg.run.precision, self.device)
         self.dtype = runtime.resolve_dtype(cfg.run.dtype, self.device, self.precision)
-        self.env = pipeline.get_env(cfg)
-        self.train_tasks, self.eval_tasks = pipeline.held_out_tasks(cfg, self.env)
-        train_tasks = self.train_tasks
         student, tokenizer = self._load_student(checkpoint)
         # One wrapped scoring module for the whole run; the optimiser is built on the parameters
         # it leaves (FSDP2 replaces them by sharded ones).
@@ -228,25 +360,14 @@ class Trainer:
                                 self.precision, world, self.wrapped, validation)
         self.algorithm = self.algorithm_cls(self.ctx, checkpoint)
         self.setup_generations = self.algorithm.setup_rollouts()
-        if cfg.train.rollouts_per_step % self.algorithm.group_size:
-            raise ConfigError(f"train.rollouts_per_step={cfg.train.rollouts_per_step} must be a "
-                              f"multiple of {self.algorithm.name}'s group size "
-                              f"{self.algorithm.group_size}")
-        n_tasks = cfg.train.rollouts_per_step // self.algorithm.group_size
-        if n_tasks % world.size:
-            raise ConfigError(f"train.rollouts_per_step={cfg.train.rollouts_per_step} is {n_tasks} "
-                              f"task groups of {self.algorithm.group_size}, which do not split "
-                              f"evenly over {world.size} processes: make the groups a multiple "
-                              f"of {world.size}")
-        if cfg.rollout.engine == "vllm" and self.wrapped is not None and \
-                self.wrapped.parallel == "fsdp2":
-            raise ConfigError("rollout.engine=vllm with train.parallel=fsdp2 is not supported: the "
-                              "engine needs the full student weights on every rank after each "
-                              "update; use train.parallel=ddp")
         self.engine = pipeline.make_engine(cfg.rollout, student, tokenizer)
         self.start_step, self.generations = 0, 0
         if checkpoint is not None:
-            self._restore(checkpoint)
+            self._restore(checkpoint, state)
+        elif world.is_main:
+            # Written last: a folder holds a run only once the run is set up, so a start that
+            # fails on the way (a damaged model or composer folder) can be repeated as it was.
+            write_config(cfg, self.run_dir / CONFIG_FILE)
 
     # -- the student --------------------------------------------------------------------------
 
@@ -334,7 +455,7 @@ class Trainer:
                         else {"skipped": updater.skipped},
                         "algorithm": self.algorithm.state_dict(), "rng": _rng_state(),
                         "world_size": world.size, "parallel": world.parallel},
-                       tmp / "state.pt")
+                       tmp / STATE_FILE)
         world.barrier()
         if world.is_main:
             if final.exists():
@@ -345,11 +466,11 @@ class Trainer:
         world.barrier()
         return final
 
-    def _restore(self, checkpoint: Path) -> None:
+    def _restore(self, checkpoint: Path, state: dict) -> None:
+        """Continue from ``checkpoint``, whose ``state.pt`` :func:`resume_point` has read."""
         import sys
 
         world = self.world
-        state = torch.load(checkpoint / "state.pt", weights_only=False)
         saved_world = state.get("world_size", 1)
         updater = self.ctx.student_updater
         if (checkpoint / OPTIMIZER_DIR).is_dir():

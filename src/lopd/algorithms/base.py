@@ -319,11 +319,27 @@ class Algorithm(SharedStep):
     config_class: ClassVar[type | None] = None
     """Dataclass of the method's config section (``cfg.<name>``), or None for none."""
     group_size: int = 1
-    """Rollouts per task in one step (GRPO-style groups; 1 = every rollout a different task)."""
+    """Rollouts per task in one step (GRPO-style groups; 1 = every rollout a different task); a
+    method whose group size is a setting overrides :meth:`group_size_in`."""
+
+    @classmethod
+    def group_size_in(cls, cfg) -> int:
+        """The group size this method has under ``cfg``, known before anything is built (the
+        trainer checks ``train.rollouts_per_step`` against it before writing the run folder)."""
+        return cls.group_size
+
+    @classmethod
+    def check_config(cls, cfg, world, fresh: bool) -> None:
+        """Refuse a config this method cannot start from, before anything is built or written:
+        checks of the config and of the paths it names, never of a loaded model. The trainer
+        calls it before the run folder is touched, so a refused ``lopd train --out DIR`` leaves
+        DIR as it was; ``__init__`` may take it as passed. ``world``: the training processes;
+        ``fresh``: a new run (a resumed one reads its inputs from the checkpoint)."""
 
     def __init__(self, ctx, checkpoint: Path | None):
         self.ctx = ctx
         self.cfg = ctx.cfg
+        self.group_size = self.group_size_in(ctx.cfg)
         self.student = ctx.student
         self.device = ctx.device
         self.pad_id = ctx.tokenizer.pad_token_id
@@ -386,13 +402,14 @@ def distillation_loss(divergence, scores: Scores, totals: Totals,
                                          "teacher_gain": gain.sum() / max(1, totals.action_tokens)})
 
 
-def require_unsharded(algorithm: Algorithm, what: str) -> None:
-    """Refuse FSDP2 at start-up for a method that keeps ``what`` (e.g. an EMA copy) beside the
-    student: the copy would need the full, unsharded weights on every rank."""
+def require_unsharded(name: str, world, what: str) -> None:
+    """Refuse FSDP2 at start-up (from :meth:`Algorithm.check_config`) for method ``name`` that
+    keeps ``what`` (e.g. an EMA copy) beside the student: the copy would need the full, unsharded
+    weights on every rank."""
     from lopd.config import ConfigError
 
-    if algorithm.world.enabled and algorithm.world.parallel == "fsdp2":
-        raise ConfigError(f"{algorithm.name} keeps {what} next to the student, which "
+    if world.enabled and world.parallel == "fsdp2":
+        raise ConfigError(f"{name} keeps {what} next to the student, which "
                           "train.parallel=fsdp2 shards; use train.parallel=ddp")
 
 
@@ -404,10 +421,14 @@ class EMATeacherMethod:
 
     EMA_DIR = "ema_teacher"
 
+    @classmethod
+    def check_config(cls, cfg, world, fresh: bool) -> None:
+        require_unsharded(cls.name, world, "a full EMA copy of the student")
+        super().check_config(cfg, world, fresh)
+
     def init_ema(self, rate: float, checkpoint: Path | None):
         from lopd.teacher import EMATeacher
 
-        require_unsharded(self, "a full EMA copy of the student")
         # The student as loaded: the base model at step 0, the checkpoint's student on resume,
         # whose EMA then comes from the checkpoint.
         self.ema = EMATeacher(self.ctx.student, rate)

@@ -67,10 +67,13 @@ class GRPO(Algorithm):
     name = "grpo"
     config_class = GRPOConfig
 
+    @classmethod
+    def group_size_in(cls, cfg) -> int:
+        return cfg.grpo.num_generations
+
     def __init__(self, ctx, checkpoint: Path | None):
         super().__init__(ctx, checkpoint)
         spec = self.spec = ctx.cfg.grpo
-        self.group_size = spec.num_generations
         self.passes = spec.num_iterations
         if spec.beta > 0:
             from lopd import pipeline

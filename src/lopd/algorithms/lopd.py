@@ -51,7 +51,7 @@ from lopd.algorithms.base import (Algorithm, LossTerms, MicroBatch, Panel, Score
                                   Updater)
 from lopd.composer import Composer
 from lopd.config import knob
-from lopd.experience import random_entries, retrieve
+from lopd.experience import DB_NAME, random_entries, retrieve
 from lopd.latent import ReferenceFormat
 from lopd.teacher import LatentContext, per_token
 
@@ -99,6 +99,24 @@ class LOPD(Algorithm):
     COMPOSER_DIR = "composer"
     COLD_START_DIR = "cold_start_composer"
 
+    @classmethod
+    def check_config(cls, cfg, world, fresh: bool) -> None:
+        """A new run needs its two inputs, a composer folder and a bank folder (a resumed one has
+        its own copies in the checkpoint)."""
+        if not fresh:
+            return
+        spec = cfg.lopd
+        if not spec.composer or not spec.bank:
+            raise ValueError("LOPD needs a cold-started composer and a bank: pass --composer "
+                             "DIR and --bank DIR (or set lopd.composer and lopd.bank)")
+        for path, what, marker in ((spec.composer, "composer", Composer.CONFIG_FILE),
+                                   (spec.bank, "bank", DB_NAME)):
+            if not Path(path).exists():
+                raise FileNotFoundError(f"lopd.{what}: {path} does not exist")
+            if not (Path(path) / marker).is_file():
+                raise FileNotFoundError(f"lopd.{what}: {path} is not a {what} folder (no "
+                                        f"{marker})")
+
     def __init__(self, ctx, checkpoint: Path | None):
         super().__init__(ctx, checkpoint)
         cfg = ctx.cfg
@@ -109,13 +127,6 @@ class LOPD(Algorithm):
         cold_start = run_dir / self.COLD_START_DIR
         bank_dir = run_dir / self.BANK_DIR
         world = self.world
-        if checkpoint is None:
-            if not self.spec.composer or not self.spec.bank:
-                raise ValueError("LOPD needs a cold-started composer and a bank: pass --composer "
-                                 "DIR and --bank DIR (or set lopd.composer and lopd.bank)")
-            for path, what in ((self.spec.composer, "composer"), (self.spec.bank, "bank")):
-                if not Path(path).exists():
-                    raise FileNotFoundError(f"lopd.{what}: {path} does not exist")
         if not world.is_main:
             # Several processes: every rank keeps its own replica of the bank and adds the same
             # all-gathered successes to it (after_update), so the replicas stay identical without

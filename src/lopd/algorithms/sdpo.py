@@ -129,10 +129,13 @@ class SDPO(EMATeacherMethod, Algorithm):
     name = "sdpo"
     config_class = SDPOConfig
 
+    @classmethod
+    def group_size_in(cls, cfg) -> int:
+        return cfg.sdpo.num_generations
+
     def __init__(self, ctx, checkpoint: Path | None):
         super().__init__(ctx, checkpoint)
         self.spec = ctx.cfg.sdpo
-        self.group_size = self.spec.num_generations
         self.max_observation_chars = ctx.cfg.bank.max_observation_chars
         ema = self.init_ema(self.spec.ema_rate, checkpoint)
         self.teacher = text_view(ema.model, ctx.tokenizer, self.spec.placement, SIBLING_PREFIX)

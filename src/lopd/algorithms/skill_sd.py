@@ -249,12 +249,19 @@ class SkillSD(Algorithm):
     name = "skill_sd"
     config_class = SkillSDConfig
 
+    @classmethod
+    def group_size_in(cls, cfg) -> int:
+        return cfg.skill_sd.num_generations
+
+    @classmethod
+    def check_config(cls, cfg, world, fresh: bool) -> None:
+        require_unsharded(cls.name, world, "a teacher that scores with the student's full weights")
+        super().check_config(cfg, world, fresh)
+
     def __init__(self, ctx, checkpoint: Path | None):
         super().__init__(ctx, checkpoint)
         spec = self.spec = ctx.cfg.skill_sd
-        self.group_size = spec.num_generations
         self.passes = spec.num_iterations
-        require_unsharded(self, "a teacher that scores with the student's full weights")
         self.max_observation_chars = ctx.cfg.bank.max_observation_chars
         self.library = SkillLibrary(spec.ucb_c, frozenset(ctx.validation_task_ids))
         self.teacher = text_view(ctx.student, ctx.tokenizer, spec.placement, SKILL_PREFIX)
