@@ -182,6 +182,15 @@ def composer_policy(cfg: Config, model_path: str | None, composer_dir: str | Pat
     return ComposerPolicy(engine, composer, bank, sampling(cfg), cfg.bank.n_ret), tokenizer, bank
 
 
+def agent_policy(cfg: Config, agent: str = "model", model_path: str | None = None,
+                 composer: str | Path | None = None, bank: str | Path | None = None, device=None):
+    """(policy, tokenizer, bank or None): the Base + Composer agent when ``composer`` is given
+    (the caller closes the bank), else :func:`make_policy`'s ``agent``."""
+    if composer:
+        return composer_policy(cfg, model_path, composer, bank, device)
+    return (*make_policy(cfg, agent, model_path, device), None)
+
+
 def _device(cfg: Config, device=None):
     from lopd import runtime
 
@@ -384,11 +393,7 @@ def evaluate_agent(cfg: Config, agent: str = "model", model_path: str | None = N
     model_path = model_path or cfg.model.name_or_path
     env = get_env(cfg)
     tasks = env.tasks(split)[: limit or None]
-    opened = None
-    if composer:
-        policy, tokenizer, opened = composer_policy(cfg, model_path, composer, bank, device)
-    else:
-        policy, tokenizer = make_policy(cfg, agent, model_path, device)
+    policy, tokenizer, opened = agent_policy(cfg, agent, model_path, composer, bank, device)
     start = time.perf_counter()
     try:
         summary, rollouts = evaluate(cfg, env, [t for t in tasks for _ in range(samples)], policy,

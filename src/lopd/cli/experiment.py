@@ -46,9 +46,6 @@ def cmd_experiment(args) -> int:
         report = paper.internalisation(args.config, overrides, out, args.seeds, args.jobs)
     elif name == "sample-efficiency":
         algos = [a.strip() for a in args.algos.split(",") if a.strip()]
-        from lopd.experiments.compare import check_algos
-
-        check_algos(algos)
         report = paper.sample_efficiency(args.config, overrides, out, algos, args.seeds,
                                          args.jobs, _learning_rates(args.lr),
                                          _numbers(int)(args.at))

@@ -2,9 +2,10 @@
 
 Each run starts a fresh interpreter (``python -I -S -B -u``) on :mod:`lopd.envs.sandbox_harness`
 inside `bubblewrap <https://github.com/containers/bubblewrap>`_: its own user (``nobody``), PID,
-network (no interfaces), IPC and UTS namespaces and session; a read-only filesystem holding only
-the interpreter, its standard library and the system's shared libraries (nothing of the project,
-the virtualenv or the user's files); a private tmpfs as work directory; killed with its parent.
+network (its own loopback only: nothing outside is reachable), IPC and UTS namespaces and
+session; a read-only filesystem holding only the interpreter, its standard library and the
+system's shared libraries (nothing of the project, the virtualenv or the user's files); a private
+tmpfs as work directory; killed with its parent.
 Inside, the harness sets resource limits (memory, CPU, file size, open files, no core dumps, no
 child processes or threads) and, when the parent is root, drops to ``nobody``; then it runs the
 program. The parent enforces the wall-clock limit by killing the process group and keeps
@@ -111,7 +112,8 @@ class Report:
     output_truncated: bool
     seconds: float
     network: str = "unknown"
-    """"isolated" (no network interfaces) or "shared"; "unknown" when the child did not report."""
+    """"isolated" (a network namespace of its own, nothing outside reachable) or "shared";
+    "unknown" when the child did not report."""
     exit_code: int | None = None
     meta: dict = field(default_factory=dict)
     """``isolation``: "bubblewrap" or "unsafe fallback"; ``reason``: why a run was malformed."""
@@ -222,8 +224,9 @@ WORKDIR = "/tmp/work"
 HARNESS_IN_SANDBOX = "/lopd/sandbox_harness.py"
 
 
-def _bwrap_prefix(bwrap: str) -> list[str]:
-    """The bubblewrap command up to the interpreter. As root, the namespaces are made without a
+@functools.lru_cache(maxsize=2)
+def _bwrap_prefix(bwrap: str) -> tuple[str, ...]:
+    """The bubblewrap command up to the interpreter (the same for every child, so made once). As root, the namespaces are made without a
     user namespace and the harness drops to ``nobody`` itself: mapped into a user namespace, root
     would stay the host's root, whom the process limit does not bind."""
     if os.geteuid() == 0:
@@ -231,10 +234,10 @@ def _bwrap_prefix(bwrap: str) -> list[str]:
                       "--unshare-cgroup-try"]
     else:
         namespaces = ["--unshare-all"]
-    return [bwrap, *namespaces, "--die-with-parent", "--new-session", *_binds(),
+    return (bwrap, *namespaces, "--die-with-parent", "--new-session", *_binds(),
             "--ro-bind", str(HARNESS), HARNESS_IN_SANDBOX, "--proc", "/proc", "--dev", "/dev",
             "--perms", "1777", "--tmpfs", "/tmp", "--perms", "1777", "--dir", WORKDIR,
-            "--chdir", WORKDIR, "--clearenv", "--setenv", "LC_ALL", "C.UTF-8"]
+            "--chdir", WORKDIR, "--clearenv", "--setenv", "LC_ALL", "C.UTF-8")
 
 
 @functools.lru_cache(maxsize=1)
@@ -442,16 +445,18 @@ def run(program: str, tests: list[dict], limits: Limits | None = None) -> Report
     raises on bad programs (only :class:`SandboxUnavailable` when nothing can isolate it)."""
     limits = limits or Limits()
     _check_tests(tests)
-    calls, spans = [], []
+    calls, spans, recordings = [], [], []
     for test in tests:
         if "call" in test:
             spans.append((len(calls), 1))
             calls.append({"expr": test["call"]})
+            recordings.append(None)
         else:
-            recorded = recorded_calls(test, limits)
+            recorded = [{"args": c["args"], "kwargs": c["kwargs"]}
+                        for c in recorded_calls(test, limits)]
             spans.append((len(calls), len(recorded)))
-            calls += [{"fn": test["entry_point"], "args": c["args"], "kwargs": c["kwargs"]}
-                      for c in recorded]
+            calls += [{"fn": test["entry_point"], **c} for c in recorded]
+            recordings.append(recorded)
     kind = check_isolation()
     child = _spawn({"mode": "candidate", "program": program, "calls": calls}, limits)
     results = (child.record or {}).get("results")
@@ -468,40 +473,30 @@ def run(program: str, tests: list[dict], limits: Limits | None = None) -> Report
         outcomes = [TestOutcome(False, status) for _ in tests]
     else:
         outcomes = []
-        for test, (at, n) in zip(tests, spans):
+        for test, (at, n), recorded in zip(tests, spans, recordings):
+            values = [_value(r) for r in results[at:at + n]]
             if "call" in test:
-                value, text, why = _value(results[at])
+                value, text, why = values[0]
                 if why:
                     outcomes.append(TestOutcome(False, why))
                 else:
                     same = _plain_equal(value, test["expected"])
                     outcomes.append(TestOutcome(same, "" if same else "wrong value", text))
                 continue
+            # The replay receives well-formed values re-encoded; anything malformed is an error.
+            outputs = [{"error": why} if why else {"value": text} for _, text, why in values]
             replay = _spawn({"mode": "replay", "program": test["reference"],
-                             "check": test["check"],
-                             "entry_point": test["entry_point"],
-                             "calls": [{"args": c["args"], "kwargs": c["kwargs"]}
-                                       for c in recorded_calls(test, limits)],
-                             "outputs": _checked(results[at:at + n])}, limits)
+                             "check": test["check"], "entry_point": test["entry_point"],
+                             "calls": recorded, "outputs": outputs}, limits)
             seconds += replay.seconds
             passed = bool(replay.record and replay.record.get("passed") is True)
             # A failure the candidate raised says more than the assertion it broke.
-            raised = [_value(r)[2] for r in results[at:at + n] if _value(r)[2]]
+            raised = [why for _, _, why in values if why]
             error = "" if passed else str(raised[0] if raised else (replay.record or {}).get(
                 "error") or replay.status)
             outcomes.append(TestOutcome(passed, error[:120]))
     return Report(status, outcomes, child.output, child.truncated, seconds, network,
                   child.exit_code, {"isolation": kind, **({"reason": reason} if reason else {})})
-
-
-def _checked(results: list) -> list[dict]:
-    """The candidate's results as the replay receives them: well-formed values re-encoded, and
-    anything malformed turned into an error."""
-    checked = []
-    for result in results:
-        value, text, why = _value(result)
-        checked.append({"error": why} if why else {"value": text})
-    return checked
 
 
 def run_many(jobs: list[tuple[str, list[dict]]], limits: Limits | None = None,

@@ -34,6 +34,7 @@ import statistics
 from pathlib import Path
 
 from lopd.config import load_config
+from lopd.experiments.ablation import _mean_std as _stats
 from lopd.experiments.ablation import train_arms
 from lopd.experiments.method_table import beats
 
@@ -45,10 +46,6 @@ MARGINS = (0.0, 0.01, 0.05, 0.1)
 N_RET = (1, 2, 3, 5)
 LATENTS = (8, 16, 32, 64)
 READ_OFF = (320, 576)
-
-
-def _stats(values: list[float]) -> tuple[float, float]:
-    return statistics.fmean(values), statistics.pstdev(values) if len(values) > 1 else 0.0
 
 
 def verdict(method: tuple[float, float], reference: tuple[float, float]) -> str:
@@ -254,9 +251,12 @@ def configured_latents(cfg) -> int | None:
     """K of the composer folder ``lopd.composer`` (None when none is set)."""
     if not cfg.lopd.composer:
         return None
-    spec = Path(cfg.lopd.composer) / "composer.json"
+    from lopd.composer import Composer
+
+    spec = Path(cfg.lopd.composer) / Composer.CONFIG_FILE
     if not spec.exists():
-        raise FileNotFoundError(f"{cfg.lopd.composer} is not a composer folder (no composer.json)")
+        raise FileNotFoundError(f"{cfg.lopd.composer} is not a composer folder (no "
+                                f"{Composer.CONFIG_FILE})")
     return json.loads(spec.read_text())["spec"]["num_latents"]
 
 
@@ -266,10 +266,8 @@ def cold_start_for(config, sets: list[str], bank: str, folder: Path) -> dict:
     when its saved config is the wanted one, refused otherwise."""
     import shutil
 
-    import yaml
-
     from lopd import pipeline
-    from lopd.experiments.runs import config_differences
+    from lopd.experiments.runs import differing_keys
 
     wanted = load_config(config, sets)
     record = folder / "cold_start.json"
@@ -277,14 +275,10 @@ def cold_start_for(config, sets: list[str], bank: str, folder: Path) -> dict:
         shutil.rmtree(folder, ignore_errors=True)
         pipeline.cold_start(wanted, bank, folder)
     saved = json.loads(record.read_text())
-
-    def plain(cfg) -> dict:
-        return yaml.safe_load(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-
-    differ = config_differences(saved["config"], plain(wanted), plain(load_config(None)))
-    if differ:
+    shown = differing_keys(saved["config"], wanted)
+    if shown:
         raise ValueError(f"{folder} holds a cold start with another config than this experiment "
-                         f"asks for ({', '.join(differ[:5])}); move it away or use another --out")
+                         f"asks for ({shown}); move it away or use another --out")
     return saved["figures"]
 
 
@@ -375,12 +369,8 @@ def _held_out_eval(cfg, cache: Path, composer: str | Path | None = None,
             return cached
     device = runtime.setup(cfg.run)
     env = pipeline.get_env(cfg)
-    opened = None
-    if composer:
-        policy, tokenizer, opened = pipeline.composer_policy(cfg, model_path, composer, bank,
-                                                             device)
-    else:
-        policy, tokenizer = pipeline.make_policy(cfg, "model", model_path, device)
+    policy, tokenizer, opened = pipeline.agent_policy(cfg, "model", model_path, composer, bank,
+                                                      device)
     try:
         summary, _ = pipeline.evaluate(cfg, env, pipeline.held_out_tasks(cfg, env)[1], policy,
                                        tokenizer)

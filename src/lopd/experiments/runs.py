@@ -53,6 +53,19 @@ def config_differences(saved: dict, wanted: dict, defaults: dict, prefix: str = 
     return keys
 
 
+def differing_keys(saved: dict, cfg: Config) -> str:
+    """The keys in which a saved config (a run's ``config.yaml``, a cold start's record) differs
+    from ``cfg``, settings added to lopd since it was saved taken at their defaults, as a short
+    list for an error message ("" when they agree)."""
+    import yaml
+
+    def plain(c: Config) -> dict:
+        return yaml.safe_load(yaml.safe_dump(c.to_dict(), sort_keys=False))
+
+    differ = config_differences(saved, plain(cfg), plain(load_config(None)))
+    return ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
+
+
 def check_reusable(cfg: Config, run_dir: Path) -> None:
     """A run folder made with a different config is never reused or resumed: that would mix runs.
     Settings added to lopd since the run was made are taken at their defaults."""
@@ -61,14 +74,8 @@ def check_reusable(cfg: Config, run_dir: Path) -> None:
     saved = Path(run_dir) / CONFIG_FILE
     if not saved.exists():
         return
-
-    def plain(c: Config) -> dict:
-        return yaml.safe_load(yaml.safe_dump(c.to_dict(), sort_keys=False))
-
-    differ = config_differences(yaml.safe_load(saved.read_text()), plain(cfg),
-                                plain(load_config(None)))
-    if differ:
-        shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
+    shown = differing_keys(yaml.safe_load(saved.read_text()), cfg)
+    if shown:
         raise ValueError(f"{run_dir} holds a run with a different config than this experiment "
                          f"asks for ({shown}); move it away or use another --out")
 
