@@ -5,8 +5,8 @@
 codeworld reference solutions (``call`` tests, judged in the parent) and HumanEval canonical
 solutions (``check`` tests: the recording, cached after the first answer per problem, then the
 answer's child and a trusted replay) are scored with each worker count, once isolated by
-bubblewrap and once in the harness's own weaker confinement (the mode the sandbox had before
-bubblewrap), interleaved in one run. Prints answers/s for each, and bubblewrap's cost as the ratio.
+bubblewrap and once in the harness's own weaker confinement (the unsafe fallback), interleaved in
+one run. Prints answers/s for each, and bubblewrap's cost as the ratio.
 """
 
 from __future__ import annotations
