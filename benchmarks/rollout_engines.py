@@ -35,7 +35,8 @@ class HFGenerateEngine(RolloutEngine):
         self.stop_token_ids = frozenset(stop_token_ids)
         self.max_length = model.config.max_position_embeddings
 
-    def generate(self, prompts, params: SamplingParams, latents=None) -> list[Generation]:
+    def generate(self, prompts, params: SamplingParams, latents=None,
+                 sessions=None) -> list[Generation]:
         batch = self.tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt")
         if params.seed is not None:
             torch.manual_seed(params.seed)

@@ -115,6 +115,25 @@ def test_sample_next_truncation_rules():
     assert tokens.tolist() == [0] and abs(logprobs.item() - torch.tensor(0.5).log().item()) < 1e-6
 
 
+def test_draws_follow_the_distribution_and_never_pick_a_zero():
+    from lopd.rollout.transformers_engine import _draw
+
+    probs = torch.tensor([[0.0, 0.6, 0.0, 0.4, 0.0]]).repeat(20000, 1)
+    tokens = _draw(probs, torch.Generator().manual_seed(1))
+    counts = torch.bincount(tokens, minlength=5).float() / len(tokens)
+    assert counts[0] == counts[2] == counts[4] == 0
+    assert abs(counts[1].item() - 0.6) < 0.02
+    # A draw at the very top of the range (rounding) gives the last token that can be drawn.
+    top = torch.tensor([[0.3, 0.7, 0.0]])
+    ones = torch.Generator().manual_seed(0)
+    original = torch.rand
+    try:
+        torch.rand = lambda *a, **k: torch.ones(1, 1, dtype=torch.float64)
+        assert _draw(top, ones).tolist() == [1]
+    finally:
+        torch.rand = original
+
+
 def test_generate_keeps_training_mode_and_handles_empty(tiny_model, tiny_tokenizer, prompts):
     engine = TransformersEngine(tiny_model, tiny_tokenizer)
     assert engine.generate([], SamplingParams()) == []

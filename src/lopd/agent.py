@@ -18,6 +18,7 @@ rewrite past turns, e.g. to add or drop reasoning, differ only in those rewritte
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import re
@@ -316,6 +317,8 @@ class TurnContext:
     """0-based index of this assistant turn in the episode."""
     prompt_ids: list[int]
     """The conversation so far, ending with the generation prompt."""
+    session: int | None = None
+    """The episode's identity, the same at every turn (an engine keeps its KV cache by it)."""
 
 
 class Policy(ABC):
@@ -328,6 +331,9 @@ class Policy(ABC):
     def act(self, contexts: list[TurnContext], max_new_tokens: int, tokenizer) -> list[Generation]:
         """One generation per context, in order. Generated ids end with the end-of-turn token
         (:func:`lopd.models.turn_end_token`) when the turn was closed."""
+
+    def release(self) -> None:
+        """The episodes are over: drop what was kept for them between turns (KV caches)."""
 
 
 class ModelPolicy(Policy):
@@ -353,7 +359,11 @@ class ModelPolicy(Policy):
     def act(self, contexts: list[TurnContext], max_new_tokens: int, tokenizer) -> list[Generation]:
         seed = self._seeds.getrandbits(63) if self._seeds is not None else None
         params = replace(self.params, max_new_tokens=max_new_tokens, seed=seed)
-        return self.engine.generate([c.prompt_ids for c in contexts], params)
+        return self.engine.generate([c.prompt_ids for c in contexts], params,
+                                    sessions=[c.session for c in contexts])
+
+    def release(self) -> None:
+        self.engine.release()
 
 
 class ScriptedPolicy(Policy):
@@ -451,12 +461,16 @@ def _random_value(schema: dict, rng: random.Random) -> Any:
 # the cut: earlier messages may hold the same text (the model's decoded text can) but render before.
 _CONTENT_PLACEHOLDER = "\x00lopd-assistant-content\x00"
 
+# Every episode run gets its own session id: turns of one episode share it, no two episodes do.
+_SESSIONS = itertools.count()
+
 
 class _EpisodeRun:
     """One episode in flight: the environment episode and the growing token sequence."""
 
     def __init__(self, index: int, episode: Episode, tokenizer):
         self.index = index
+        self.session = next(_SESSIONS)
         self.episode = episode
         self.task = episode.task
         self.tokenizer = tokenizer
@@ -501,7 +515,8 @@ class _EpisodeRun:
                 or len(self.input_ids) + len(self.generation_prompt) + max_new_tokens <= max_length)
 
     def context(self) -> TurnContext:
-        return TurnContext(self.task, len(self.turns), self.input_ids + self.generation_prompt)
+        return TurnContext(self.task, len(self.turns), self.input_ids + self.generation_prompt,
+                           self.session)
 
     def advance(self, generation: Generation, max_turns: int, max_length: int | None) -> str | None:
         """Record one generated turn, step the environment; the finish reason once it is over."""
@@ -579,27 +594,30 @@ def run_episodes(env: Environment, tasks: list[Task], policy: Policy, tokenizer,
             results[run.index] = run.finish(reason)
             bar.update(1)
 
-        while queue or active:
-            while queue and len(active) < batch_size:
-                index, task = queue.popleft()
-                run = _EpisodeRun(index, env.reset(task), tokenizer)
-                if run.fits_next_turn(max_new_tokens, max_length):
-                    active.append(run)
-                else:
-                    done(run, "max_length")
-            if not active:
-                continue
-            generations = policy.act([run.context() for run in active], max_new_tokens, tokenizer)
-            still_active = []
-            for run, generation in zip(active, generations, strict=True):
-                reason = run.advance(generation, max_turns, max_length)
-                if reason is None and not run.fits_next_turn(max_new_tokens, max_length):
-                    reason = "max_length"
-                if reason is None:
-                    still_active.append(run)
-                else:
-                    done(run, reason)
-            active = still_active
+        try:
+            while queue or active:
+                while queue and len(active) < batch_size:
+                    index, task = queue.popleft()
+                    run = _EpisodeRun(index, env.reset(task), tokenizer)
+                    if run.fits_next_turn(max_new_tokens, max_length):
+                        active.append(run)
+                    else:
+                        done(run, "max_length")
+                if not active:
+                    continue
+                generations = policy.act([run.context() for run in active], max_new_tokens, tokenizer)
+                still_active = []
+                for run, generation in zip(active, generations, strict=True):
+                    reason = run.advance(generation, max_turns, max_length)
+                    if reason is None and not run.fits_next_turn(max_new_tokens, max_length):
+                        reason = "max_length"
+                    if reason is None:
+                        still_active.append(run)
+                    else:
+                        done(run, reason)
+                active = still_active
+        finally:
+            policy.release()
     return results
 
 

@@ -290,4 +290,5 @@ class ComposerPolicy(ModelPolicy):
         seed = self._seeds.getrandbits(63) if self._seeds is not None else None
         params = replace(self.params, max_new_tokens=max_new_tokens, seed=seed)
         with self.composer.teacher():      # the base acts as itself: adapter off
-            return self.engine.generate(prompts, params, latents=latents)
+            return self.engine.generate(prompts, params, latents=latents,
+                                        sessions=[c.session for c in contexts])

@@ -10,6 +10,7 @@ turns of an episode, which the transformers engine recomputes.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -86,12 +87,22 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 latents: torch.Tensor | None = None) -> list[Generation]:
+                 latents: torch.Tensor | None = None,
+                 sessions: Sequence[Hashable] | None = None) -> list[Generation]:
         """One :class:`Generation` per prompt, in the order of ``prompts``.
 
         ``latents`` (batch, n, d), when given, replace the embeddings of the ``n`` ``<|latent|>``
         tokens each prompt holds (see :mod:`lopd.latent`); vLLM passes the spliced embeddings as
-        ``prompt_embeds``."""
+        ``prompt_embeds``.
+
+        ``sessions``, when given, names the conversation each prompt belongs to (an episode): an
+        engine may keep a session's state until its next prompt, which extends this prompt and
+        its generation (the transformers engine keeps the KV cache; vLLM's prefix cache finds the
+        shared prefix by itself). The results are the same with or without."""
+
+    def release(self) -> None:
+        """Drop whatever the engine keeps between calls for ``sessions`` (their KV caches); the
+        agent loop calls it when its episodes are over."""
 
     def sync_weights(self, model) -> None:
         """Generate from ``model``'s current weights from now on. Engines that generate from the

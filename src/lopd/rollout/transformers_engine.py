@@ -5,15 +5,21 @@ scores are the *processed* logits. Here a row leaves the batch the moment it pro
 (its cache rows, mask and position are dropped), so in an agent batch an episode that answered in a
 few tokens costs nothing while the others continue, and the recorded log-probs are exactly the
 ones :class:`~lopd.rollout.engine.Generation` documents.
+
+Across the turns of an episode the engine keeps the episode's KV cache (``sessions``): the next
+turn's prompt is the previous one plus the generated turn, the tool's answer and the generation
+prompt, so only those new tokens are prefilled, not the whole conversation again.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from lopd.latent import splice_embeddings
 from lopd.models import IM_END, LATENT_TOKEN
@@ -36,6 +42,20 @@ def default_stop_token_ids(model, tokenizer) -> frozenset[int]:
     if not ids:
         raise ValueError("the tokenizer has no eos token and no <|im_end|>: pass stop_token_ids")
     return frozenset(ids)
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of ``probs`` by inverting its cumulative distribution at a uniform draw
+    (in float64): the distribution of ``torch.multinomial``, at a small part of its cost on CPU.
+    A token of probability 0 is never drawn."""
+    cumulative = probs.double().cumsum(-1)
+    uniform = torch.rand((probs.size(0), 1), generator=generator, dtype=torch.float64,
+                         device=probs.device) * cumulative[:, -1:]
+    tokens = torch.searchsorted(cumulative, uniform, right=True).squeeze(1)
+    tokens = tokens.clamp_max(probs.size(-1) - 1)
+    # Rounding can put the draw at the very top: then the last token of non-zero probability.
+    last = (probs > 0).cumsum(-1).argmax(-1)
+    return torch.where(probs.gather(-1, tokens.unsqueeze(1)).squeeze(1) > 0, tokens, last)
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams,
@@ -66,8 +86,72 @@ def sample_next(logits: torch.Tensor, params: SamplingParams,
             drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
             kept = kept.masked_fill(drop, float("-inf"))
         probs = torch.softmax(kept, dim=-1)
-        tokens = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
+        tokens = _draw(probs, generator)
     return tokens, logprobs.gather(-1, tokens.unsqueeze(1)).squeeze(1)
+
+
+@dataclass
+class _KeptCache:
+    """One session's KV cache after a call: the keys and values of ``tokens``, per layer."""
+
+    tokens: list[int]
+    """The sequence the cache covers: the prompt and every generated token but the last (whose
+    keys and values were never computed)."""
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    """Per layer, (heads, len(tokens), head_dim) keys and values, padding removed."""
+    latents: torch.Tensor | None
+    """The latents spliced into the prompt when the cache was made (None: none)."""
+
+
+def _similar_lengths(lengths: list[int], slack: float = 1.5, floor: int = 16) -> list[list[int]]:
+    """Row indices grouped so that padding each group to its longest wastes little: rows sorted
+    by length, a new group when a row is longer than ``slack`` times (and ``floor`` more than) the
+    group's shortest."""
+    groups: list[list[int]] = []
+    shortest = None
+    for row in sorted(range(len(lengths)), key=lengths.__getitem__):
+        if shortest is None or lengths[row] > max(slack * shortest, shortest + floor):
+            groups.append([])
+            shortest = lengths[row]
+        groups[-1].append(row)
+    return groups
+
+
+class _BufferedLayer(DynamicLayer):
+    """A decode cache layer whose keys and values live in buffers with room for the whole call:
+    a step writes its position instead of copying the cache (as DynamicLayer's concatenation
+    does at every token)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
+        """``keys`` / ``values``: (batch, heads, capacity, head_dim) buffers whose first
+        ``length`` positions hold the cache."""
+        super().__init__()
+        self.key_buffer, self.value_buffer = keys, values
+        self.length = length
+        self.device, self.dtype, self.is_initialized = keys.device, keys.dtype, True
+        self._views()
+
+    def _views(self) -> None:
+        self.keys = self.key_buffer[:, :, :self.length]
+        self.values = self.value_buffer[:, :, :self.length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        stop = self.length + key_states.size(-2)
+        if stop > self.key_buffer.size(-2):
+            grow = stop - self.key_buffer.size(-2)
+            pad = (0, 0, 0, grow)
+            self.key_buffer = torch.nn.functional.pad(self.key_buffer, pad)
+            self.value_buffer = torch.nn.functional.pad(self.value_buffer, pad)
+        self.key_buffer[:, :, self.length:stop] = key_states
+        self.value_buffer[:, :, self.length:stop] = value_states
+        self.length = stop
+        self._views()
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.key_buffer = self.key_buffer[indices]
+        self.value_buffer = self.value_buffer[indices]
+        self._views()
 
 
 class TransformersEngine(RolloutEngine):
@@ -75,9 +159,17 @@ class TransformersEngine(RolloutEngine):
 
     Prompts of different lengths are left-padded into one batch; position ids count real tokens
     only, so a padded row computes exactly what it would alone.
+
+    With ``reuse_cache`` (the default) a call given ``sessions`` keeps each session's KV cache
+    until the next call; there a prompt of the same session that extends the kept sequence
+    prefills only its new tokens. Sessions absent from a call are dropped, :meth:`release` drops
+    them all, and nothing is reused when the model's weights changed in between (the parameters'
+    in-place versions, the adapters' on/off state) or the latents differ. Models whose cache is
+    not a plain per-layer key/value cache (sliding-window or recurrent layers) always re-prefill.
     """
 
-    def __init__(self, model, tokenizer, stop_token_ids: Iterable[int] | None = None):
+    def __init__(self, model, tokenizer, stop_token_ids: Iterable[int] | None = None,
+                 reuse_cache: bool = True):
         self.model = model
         self.tokenizer = tokenizer
         self.stop_token_ids = (frozenset(stop_token_ids) if stop_token_ids is not None
@@ -92,49 +184,175 @@ class TransformersEngine(RolloutEngine):
         # the rename would silently drop the new name and recompute without a cache.
         forward_parameters = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in forward_parameters else "past_key_values"
+        self.latent_id = tokenizer.convert_tokens_to_ids(LATENT_TOKEN) \
+            if LATENT_TOKEN in tokenizer.get_vocab() else None
+        plain = all(type(layer) is DynamicLayer
+                    for layer in DynamicCache(config=model.config).layers)
+        self.reuse_cache = reuse_cache and plain
+        self._kept: dict[Hashable, _KeptCache] = {}
+        self._kept_state: tuple | None = None
+        self.prefilled_tokens = 0
+        """Prompt tokens prefilled so far (padding not counted): what kept caches save."""
+
+    def release(self) -> None:
+        self._kept, self._kept_state = {}, None
+
+    def _weights_state(self) -> tuple:
+        """What must be unchanged for a kept cache to be valid: every parameter's in-place version
+        and every adapter layer's on/off state and active adapters."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        versions = tuple((p.data_ptr(), p._version) for p in self.model.parameters())
+        adapters = tuple((bool(m.disable_adapters), tuple(m.active_adapters))
+                         for m in self.model.modules() if isinstance(m, BaseTunerLayer))
+        return versions, adapters
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 latents: torch.Tensor | None = None) -> list[Generation]:
+                 latents: torch.Tensor | None = None,
+                 sessions: Sequence[Hashable] | None = None) -> list[Generation]:
         if not prompts:
             return []
         check_prompts(prompts)
+        if sessions is not None and len(sessions) != len(prompts):
+            raise ValueError(f"{len(sessions)} sessions for {len(prompts)} prompts")
+        if latents is not None and self.latent_id is None:
+            raise ValueError(f"latents given, but the tokenizer has no {LATENT_TOKEN} token")
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.inference_mode():
-                return self._generate(prompts, params, latents)
+                return self._generate(prompts, params, latents, sessions)
         finally:
             self.model.train(was_training)
 
-    def _generate(self, prompts: list[list[int]], params: SamplingParams,
-                  latents: torch.Tensor | None) -> list[Generation]:
+    def _reusable(self, prompts, latents, sessions) -> list[_KeptCache | None]:
+        """Per prompt, the kept cache it extends (None: prefill the whole prompt). The kept caches
+        are handed over: this call keeps its own."""
+        kept, self._kept = self._kept, {}
+        if not self.reuse_cache or sessions is None:
+            self._kept_state = None
+            return [None] * len(prompts)
+        state = self._weights_state()
+        if state != self._kept_state:
+            kept = {}
+        self._kept_state = state
+        found = []
+        for row, (prompt, session) in enumerate(zip(prompts, sessions)):
+            entry = kept.pop(session, None)
+            if entry is not None and not (
+                    len(entry.tokens) < len(prompt) and prompt[:len(entry.tokens)] == entry.tokens
+                    and (entry.latents is None) == (latents is None)
+                    and (latents is None or torch.equal(entry.latents, latents[row]))):
+                entry = None
+            found.append(entry)
+        return found
+
+    def _prefill(self, prompts: list[list[int]], reused: list[_KeptCache | None],
+                 latents: torch.Tensor | None) -> tuple[torch.Tensor, DynamicCache, torch.Tensor]:
+        """Prefill rows that need about the same number of new tokens: (last-position logits,
+        the cache, its (rows, width) attention mask). A row's layout is [pad][kept cache][pad]
+        [new tokens]: both parts left-padded, so the last position is its last prompt token."""
         device = self.model.device
-        batch, width = len(prompts), max(len(p) for p in prompts)
+        cached = [len(e.tokens) if e is not None else 0 for e in reused]
+        new = [prompt[start:] for prompt, start in zip(prompts, cached)]
+        batch, past, width = len(prompts), max(cached), max(len(ids) for ids in new)
+        self.prefilled_tokens += sum(map(len, new))
         input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((batch, width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            input_ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-            attention_mask[row, width - len(prompt):] = 1
+        attention_mask = torch.zeros((batch, past + width), dtype=torch.long)
+        position_ids = torch.zeros((batch, width), dtype=torch.long)
+        for row, (ids, start) in enumerate(zip(new, cached)):
+            input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[row, past - start:past] = 1
+            attention_mask[row, past + width - len(ids):] = 1
+            # Positions count real tokens only; pads get 0 and are masked.
+            position_ids[row, width - len(ids):] = torch.arange(start, start + len(ids))
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        # Positions count real tokens only (0 at each row's first token); pads get 0 and are masked.
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        next_position = attention_mask.sum(-1)
+        if past:
+            layers = []
+            for index, first in enumerate(next(e for e in reused if e is not None).layers):
+                shape = (batch, first[0].size(0), past, first[0].size(-1))
+                keys, values = first[0].new_zeros(shape), first[1].new_zeros(shape)
+                for row, entry in enumerate(reused):
+                    if entry is not None:
+                        keys[row, :, past - cached[row]:] = entry.layers[index][0]
+                        values[row, :, past - cached[row]:] = entry.layers[index][1]
+                layers.append((keys, values))
+            cache = DynamicCache(ddp_cache_data=layers, config=self.model.config)
+        else:
+            cache = DynamicCache(config=self.model.config)
+        if latents is None:
+            inputs = {"input_ids": input_ids}
+        else:
+            latents = latents.to(device)
+            embedding = self.model.get_input_embeddings()
+            fresh = [row for row, start in enumerate(cached) if start == 0]
+            if len(fresh) == batch:
+                embeds = splice_embeddings(embedding, input_ids, latents, self.latent_id)
+            else:
+                # Rows that extend a kept cache have their latents in it already.
+                embeds = embedding(input_ids)
+                if fresh:
+                    at = torch.tensor(fresh, device=device)
+                    embeds[at] = splice_embeddings(embedding, input_ids[at], latents[at],
+                                                   self.latent_id)
+            inputs = {"inputs_embeds": embeds}
+        out = self.model(**inputs, attention_mask=attention_mask,
+                         position_ids=position_ids.to(device), use_cache=True, logits_to_keep=1,
+                         **{self._cache_kwarg: cache})
+        return out.logits[:, -1, :].float(), cache, attention_mask
+
+    def _generate(self, prompts: list[list[int]], params: SamplingParams,
+                  latents: torch.Tensor | None,
+                  sessions: Sequence[Hashable] | None) -> list[Generation]:
+        device = self.model.device
+        reused = self._reusable(prompts, latents, sessions)
+        keeping = self.reuse_cache and sessions is not None
+        batch, width = len(prompts), max(len(p) for p in prompts)
+        # Prefill in groups of rows with similar numbers of new tokens (a short tool answer is not
+        # padded to a new episode's whole prompt), then move every row's keys and values into one
+        # decode cache, right-aligned like a left-padded batch, with room for the whole call.
+        logits, layers = None, None
+        capacity = width + params.max_new_tokens
+        for rows in _similar_lengths([len(p) - (len(e.tokens) if e is not None else 0)
+                                      for p, e in zip(prompts, reused)]):
+            group_logits, group_cache, group_mask = self._prefill(
+                [prompts[r] for r in rows], [reused[r] for r in rows],
+                latents[rows] if latents is not None else None)
+            if logits is None:
+                logits = group_logits.new_empty((batch, group_logits.size(-1)))
+                layers = [_BufferedLayer(*(part.new_zeros(
+                    (batch, part.size(1), capacity, part.size(-1)))
+                    for part in (layer.keys, layer.values)), width)
+                    for layer in group_cache.layers]
+            at = torch.tensor(rows, device=device)
+            logits[at] = group_logits
+            # (row in group, position in group cache) of every real token, in order, and where it
+            # goes in the decode cache: row r's tokens fill positions width - len(r) .. width - 1.
+            local, source = group_mask.nonzero(as_tuple=True)
+            rank = group_mask.cumsum(-1)[local, source] - 1
+            target = width - group_mask.sum(-1)[local] + rank
+            for layer, part in zip(layers, group_cache.layers):
+                layer.key_buffer[at[local], :, target] = part.keys[local, :, source]
+                layer.value_buffer[at[local], :, target] = part.values[local, :, source]
+        del reused
+        cache = DynamicCache(config=self.model.config)
+        cache.layers = layers
+        cache_arg = {self._cache_kwarg: cache}
+        attention_mask = torch.zeros((batch, width), dtype=torch.long, device=device)
+        for row, prompt in enumerate(prompts):
+            attention_mask[row, width - len(prompt):] = 1
+        next_position = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
         stop_ids = torch.tensor(sorted(self.stop_token_ids), dtype=torch.long, device=device)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=device).manual_seed(params.seed)
 
-        cache = DynamicCache(config=self.model.config)
-        cache_arg = {self._cache_kwarg: cache}
-        if latents is None:
-            prompt_inputs = {"input_ids": input_ids}
-        else:
-            latent_id = self.tokenizer.convert_tokens_to_ids(LATENT_TOKEN)
-            prompt_inputs = {"inputs_embeds": splice_embeddings(
-                self.model.get_input_embeddings(), input_ids, latents.to(device), latent_id)}
-        out = self.model(**prompt_inputs, attention_mask=attention_mask,
-                         position_ids=position_ids, use_cache=True, logits_to_keep=1, **cache_arg)
-        logits = out.logits[:, -1, :].float()
+        def kept(i: int, row: int) -> None:
+            real = attention_mask[i].bool()
+            self._kept[sessions[row]] = _KeptCache(
+                prompts[row] + token_ids[row][:-1],
+                [(layer.keys[i][:, real], layer.values[i][:, real]) for layer in cache.layers],
+                latents[row] if latents is not None else None)
 
         token_ids: list[list[int]] = [[] for _ in prompts]
         logprobs: list[list[float]] = [[] for _ in prompts]
@@ -153,7 +371,13 @@ class TransformersEngine(RolloutEngine):
                 finished[row] = bool(stop)
                 if not stop:
                     live.append(i)
-            if step == params.max_new_tokens - 1 or not live:
+            last = step == params.max_new_tokens - 1 or not live
+            if keeping:
+                going_on = set(live)
+                for i, row in enumerate(rows):
+                    if last or i not in going_on:
+                        kept(i, row)
+            if last:
                 break
             if len(live) < len(rows):
                 keep = torch.tensor(live, dtype=torch.long, device=device)

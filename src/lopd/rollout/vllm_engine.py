@@ -228,7 +228,8 @@ class VLLMEngine(RolloutEngine):
         return rows
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 latents: torch.Tensor | None = None) -> list[Generation]:
+                 latents: torch.Tensor | None = None, sessions=None) -> list[Generation]:
+        # ``sessions`` needs nothing here: the prefix cache reuses each conversation's prefix.
         if not prompts:
             return []
         check_prompts(prompts)
