@@ -1,5 +1,6 @@
 # Two commands on a fresh machine: `make demo` and `make test`. Both create .venv when absent.
 # `make test-vllm` builds a second environment, .venv-vllm (vLLM on CPU), and runs tests/vllm there.
+# `make bench-trl` builds a third, .venv-bench (lopd with TRL), and runs benchmarks/vs_trl.py there.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -7,8 +8,11 @@ STAMP := $(VENV)/.installed
 VLLM_VENV ?= .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed
+BENCH_VENV ?= .venv-bench
+BENCH_BIN := $(BENCH_VENV)/bin
+BENCH_STAMP := $(BENCH_VENV)/.installed
 
-.PHONY: demo test install install-vllm test-vllm clean bwrap
+.PHONY: demo test install install-vllm test-vllm install-bench bench-trl clean bwrap
 
 $(STAMP): pyproject.toml Makefile constraints/cpu.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -55,5 +59,21 @@ install-vllm: bwrap $(VLLM_STAMP)
 test-vllm: bwrap $(VLLM_STAMP)
 	$(VLLM_BIN)/python -m pytest -o addopts=-q tests/vllm
 
+# The benchmark profile: lopd with TRL (constraints/bench-trl.txt: the main set's torch and
+# transformers), only for comparing against TRL; TRL never enters lopd's own install. The last line
+# fails the install, with the reason, if TRL's GRPOTrainer cannot load.
+$(BENCH_STAMP): pyproject.toml Makefile constraints/bench-trl.txt
+	test -x $(BENCH_BIN)/python || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_BIN)/python -m pip install --quiet -c constraints/bench-trl.txt -e . trl
+	$(BENCH_BIN)/python -c "import transformers, trl; from trl import GRPOTrainer; print('trl', trl.__version__, 'transformers', transformers.__version__)"
+	touch $(BENCH_STAMP)
+
+install-bench: $(BENCH_STAMP)
+
+# lopd's GRPO step against TRL's GRPOTrainer, and lopd's engine against model.generate (~1 minute
+# on 2 cores); docs/results/vs-trl.md reads its figures.
+bench-trl: $(BENCH_STAMP)
+	$(BENCH_BIN)/python benchmarks/vs_trl.py --json runs/vs_trl.json
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(BENCH_VENV) runs .pytest_cache

@@ -1,0 +1,429 @@
+"""lopd's GRPO step against TRL's ``GRPOTrainer``; lopd's rollout engine against ``model.generate``.
+
+    .venv-bench/bin/python benchmarks/vs_trl.py --json runs/vs_trl.json
+
+Runs in the benchmark profile (``.venv-bench``, built by ``make install-bench``; ``make bench-trl``
+builds it and runs this): lopd's CPU set plus TRL (``constraints/bench-trl.txt``). TRL is not a
+dependency of lopd. Both sides run in one process on ``run.num_threads`` torch threads (1 in the
+``tiny`` preset).
+
+(a) One GRPO step of each, interleaved: TRL step 1, lopd step 1, TRL step 2, ... Step 1 of each is
+warm-up and not counted. Both start from the embedded base (``model.name_or_path``, toolworld-1m,
+float32) and take their settings from the same lopd config (``--config``, ``--set``):
+``train.rollouts_per_step`` completions per step (32) in groups of ``grpo.num_generations`` (4),
+``rollout.max_completion_length`` tokens at most (96), temperature / top-p / top-k of the rollout
+section (1, 1, off), ``grpo.loss_type`` ('dapo' on both), ``grpo.epsilon`` / ``epsilon_high``,
+``grpo.scale_rewards``, ``grpo.beta`` (0: no reference model on either side), one iteration
+(``grpo.num_iterations`` must be 1: TRL spreads several over several optimiser steps, lopd makes
+them inside one), AdamW at ``train.learning_rate`` with ``train.max_grad_norm`` (TRL: constant
+schedule, no warm-up), fp32 on CPU, no gradient checkpointing.
+
+The prompts are single-turn and the same on both sides: step s takes the task groups lopd's
+trainer draws for step s (:func:`lopd.trainer.tasks_for_step`), each task's first-turn messages
+(system prompt with its tools, the user's request) rendered by the tokenizer's chat template with
+the generation prompt. lopd gets them through its own trainer with ``rollout.max_turns=1`` (one
+assistant turn, then the episode ends); TRL gets the rendered text (a "standard" prompt, which its
+tokenizer call turns into the same ids: checked at start-up) in a dataset laid out in that order,
+not shuffled. The reward is the same on both sides, toolworld's verifier after that one turn: lopd's
+episode loop parses the turn, runs the tool call in the environment and verifies; TRL's reward
+function decodes each completion's ids as lopd's loop does (TRL's own decoded ``completions`` drop
+special tokens, toolworld's ``<tool_call>`` markers among them, so no tool call would parse) and
+replays it in a fresh episode of the task the same way.
+
+Each step is timed in CPU seconds (``time.process_time``, all threads of the process) and wall
+seconds. lopd's step is :func:`lopd_step`: rollouts through the trainer's engine, then
+``algorithm.step`` (no logging, evaluation or checkpoint, as ``benchmarks/step_cost.py`` runs it).
+TRL's step is its own training loop's, timed by a callback from the end of one optimiser step to the
+end of the next: the batch from its dataloader, generation, reward, advantages, the loss forward,
+backward, clipping, optimiser and scheduler steps, and its per-step metric bookkeeping (logging,
+saving and evaluation are off, ``report_to="none"``). lopd's step runs inside that callback, outside
+TRL's timed span.
+
+(b) lopd's :class:`~lopd.rollout.TransformersEngine` against ``model.generate`` called as TRL calls
+it (left-padded batch, ``GenerationConfig`` with ``do_sample``, the same temperature / top-p /
+top-k, the eos ids as stops), on the same prompts: repeat r generates for the 32 prompts of step
+r + 1 as lopd's trainer draws them (with the defaults, those of a measured step of (a)),
+``rollout.max_completion_length`` new tokens at most, each row ending at its first stop token.
+Generated tokens (the stop token included) per second; the two interleaved, after one warm-up call
+each.
+
+Differences that remain between the two setups of (a):
+
+* TRL's generation is ``model.generate``, which keeps a finished row in the batch (padding) until
+  the longest row ends; lopd's engine drops a row the moment it stops. Part (b) measures that gap.
+* lopd's engine returns each sampled token's log-prob (kept with the rollout; GRPO with μ = 1 does
+  not need it); TRL's non-vLLM path returns none.
+* lopd's rollout is an episode of the agent loop: the assistant turn is parsed and the tool call
+  executed during the rollout, and the tool's answer (template tokens and the observation, mask 0)
+  is appended to the sequence, so lopd's scoring forward runs over prompt + completion + that
+  answer, TRL's over prompt + completion only. The table gives both sides' mean sequence lengths.
+* Both apply the output head only where a completion (action) token is predicted, in tiles (TRL's
+  fused log-prob head) or chunks (lopd's); TRL's head also computes each token's entropy (for its
+  metric), lopd's only the log-probs. TRL's batch is the prompts left-padded to the longest prompt
+  and the completions right-padded to the longest completion; lopd's is whole sequences
+  right-padded to the longest.
+* TRL shuffles the generated batch, gathers metrics across processes (one here) and keeps
+  per-step metric lists (completion lengths, rewards, entropy, clip ratios); lopd returns its step
+  figures as a dict. TRL's reward replays each completion in the environment after generation;
+  lopd's environment steps happen inside the episode loop (the same work, done once).
+* lopd's episode loop renders each episode's chat template several times (the prompt with and
+  without the generation prompt, the text after the turn with and without the tool's answer) and
+  tokenises them; TRL tokenises each prompt text once. This is in lopd's generation column.
+* TRL's trainer loop estimates FLOPs and counts input tokens per step and runs its callbacks; lopd
+  zeroes the gradient rows of ``<|latent|>`` (a hook on the embedding; the student loss never trains
+  that token) and skips an update whose loss or gradient norm is not finite.
+* Group rewards are normalised by the population std + 1e-4 in lopd, by the sample std + 1e-4 in
+  TRL; TRL's 'dapo' loss divides by the batch's completion tokens, lopd's by its action tokens (the
+  same tokens here: one turn, its end-of-turn token included on both sides).
+* The samples differ (different random streams), so completion lengths and rewards differ from
+  step to step; their means are in the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from lopd import agent, models, pipeline, runtime
+from lopd.algorithms import get_algorithm
+from lopd.algorithms.base import StepBatch
+from lopd.config import load_config
+from lopd.rollout import SamplingParams, TransformersEngine
+from lopd.tables import format_table, write_json
+from lopd.trainer import Trainer, step_seed, tasks_for_step
+
+
+def clocks() -> tuple[float, float]:
+    """(CPU seconds of the process, wall seconds) now."""
+    return time.process_time(), time.perf_counter()
+
+
+def since(start: tuple[float, float]) -> dict[str, float]:
+    """CPU and wall seconds elapsed since ``start`` (a :func:`clocks` reading)."""
+    cpu, wall = clocks()
+    return {"cpu_s": cpu - start[0], "wall_s": wall - start[1]}
+
+
+def step_tasks(trainer: Trainer, step: int) -> list:
+    """The tasks of ``step`` as lopd's trainer deals them: each task of the step's groups,
+    ``group_size`` times in a row."""
+    cfg, group = trainer.cfg, trainer.algorithm.group_size
+    return [t for t in tasks_for_step(trainer.train_tasks, cfg.run.seed, step,
+                                      cfg.train.rollouts_per_step // group)
+            for _ in range(group)]
+
+
+def lopd_step(trainer: Trainer, step: int) -> dict:
+    """One GRPO step of lopd's trainer, as its loop runs it, without logging, evaluation or
+    checkpoint: rollouts of the step's tasks, then ``algorithm.step``."""
+    cfg = trainer.cfg
+    seed = step_seed(cfg.run.seed, step)
+    runtime.set_seed(seed)
+    tasks = step_tasks(trainer, step)
+    start = clocks()
+    rollouts = trainer.rollouts(tasks, cfg.rollout.temperature, seed)
+    generation = since(start)
+    trainer.ctx.student.train()
+    figures = trainer.algorithm.step(StepBatch(step, tasks, rollouts))
+    pipeline.sync_engine(trainer.engine, trainer.ctx.student)
+    return {**since(start), "generation_cpu_s": generation["cpu_s"],
+            "generation_wall_s": generation["wall_s"],
+            "completion_tokens": figures["action_tokens"] / len(rollouts),
+            "sequence_tokens": statistics.mean(len(r.input_ids) for r in rollouts),
+            "reward": statistics.mean(r.reward for r in rollouts),
+            "groups_without_signal": figures["groups_without_signal"]}
+
+
+def prompt_text(env, tokenizer, task) -> str:
+    """A task's first-turn prompt as text: its messages and tools through the chat template, with
+    the generation prompt (what lopd's episode loop feeds the engine at turn one)."""
+    episode = env.reset(task)
+    text = models.render(tokenizer, episode.messages(), task.tools, add_generation_prompt=True,
+                         tokenize=False)
+    if tokenizer(text)["input_ids"] != models.render(tokenizer, episode.messages(), task.tools,
+                                                     add_generation_prompt=True):
+        raise RuntimeError(f"task {task.task_id}: the prompt text does not tokenise to the ids "
+                           "lopd's episode loop uses, so TRL would see other prompts")
+    return text
+
+
+def single_turn_reward(env, task, text: str) -> float:
+    """Toolworld's verdict after the assistant writes ``text`` as its only turn: parsed and stepped
+    in a fresh episode, then verified, as lopd's episode loop does."""
+    episode = env.reset(task)
+    episode.step(agent.parse_action(text, episode.tools))
+    return float(episode.verify().reward)
+
+
+def timed(fn, log: list[dict]):
+    """``fn``, appending the CPU and wall seconds of each call to ``log``."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        start = clocks()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            log.append(since(start))
+
+    return call
+
+
+def trl_trainer(cfg, trainer: Trainer, steps: int, out: Path, log: dict[str, list], callback):
+    """TRL's GRPOTrainer on a fresh copy of lopd's base, with lopd's settings (see the module
+    docstring), over a dataset holding the first-turn prompts of lopd's steps 1..``steps`` in order.
+    Its reward function appends each step's completion tokens and rewards to ``log["reward"]``;
+    each ``model.generate`` call's seconds go to ``log["generate"]``."""
+    from datasets import Dataset
+    from transformers import PrinterCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    env, tokenizer = trainer.env, trainer.ctx.tokenizer
+    group = trainer.algorithm.group_size
+    rows = [{"prompt": prompt_text(env, tokenizer, task), "task_id": task.task_id}
+            for step in range(1, steps + 1) for task in step_tasks(trainer, step)[::group]]
+    tasks = trainer.ctx.train_tasks
+    prompt_tokens = {row["task_id"]: len(tokenizer(row["prompt"])["input_ids"]) for row in rows}
+    stops = {tokenizer.convert_tokens_to_ids(models.turn_end_token(tokenizer)),
+             tokenizer.eos_token_id}
+
+    def text_of(ids: list[int]) -> str:
+        """A completion's text as lopd's episode loop decodes a turn: special tokens kept (TRL's
+        own ``completions`` drop them, and with them toolworld's ``<tool_call>`` markers), the
+        closing stop token left out."""
+        ids = ids[:-1] if ids and ids[-1] in stops else ids
+        return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def toolworld_reward(prompts, completions, completion_ids, task_id, **_) -> list[float]:
+        rewards = [single_turn_reward(env, tasks[t], text_of(ids))
+                   for t, ids in zip(task_id, completion_ids)]
+        # TRL generates each prompt's completions side by side: rows i*G .. i*G+G-1 are a group.
+        groups = [rewards[i:i + group] for i in range(0, len(rewards), group)]
+        log["reward"].append({
+            "completion_tokens": statistics.mean(map(len, completion_ids)),
+            "sequence_tokens": statistics.mean(prompt_tokens[t] + len(c)
+                                               for t, c in zip(task_id, completion_ids)),
+            "reward": statistics.mean(rewards),
+            "groups_without_signal": statistics.mean(float(len(set(g)) == 1) for g in groups)})
+        return rewards
+
+    rollouts = cfg.train.rollouts_per_step
+    micro = cfg.train.per_device_train_batch_size or rollouts
+    args = GRPOConfig(
+        output_dir=str(out), max_steps=steps, seed=cfg.run.seed,
+        per_device_train_batch_size=micro, gradient_accumulation_steps=rollouts // micro,
+        num_generations=group, max_completion_length=cfg.rollout.max_completion_length,
+        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+        loss_type=cfg.grpo.loss_type, scale_rewards=cfg.grpo.scale_rewards, beta=cfg.grpo.beta,
+        num_iterations=cfg.grpo.num_iterations, epsilon=cfg.grpo.epsilon,
+        epsilon_high=cfg.grpo.epsilon_high,
+        learning_rate=cfg.train.learning_rate, lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=cfg.train.weight_decay, max_grad_norm=cfg.train.max_grad_norm,
+        optim="adamw_torch", use_cpu=trainer.device.type == "cpu",
+        bf16=trainer.precision == "bf16-mixed", fp16=False,
+        activation_checkpointing=cfg.train.gradient_checkpointing, shuffle_dataset=False,
+        report_to="none", logging_strategy="no", save_strategy="no", eval_strategy="no",
+        disable_tqdm=True, log_completions=False, dataloader_num_workers=0)
+    model, _ = models.load_model(cfg.model.name_or_path, device=trainer.device,
+                                 dtype=torch.float32)
+    model.generate = timed(model.generate, log["generate"])
+    trl = GRPOTrainer(model=model, reward_funcs=toolworld_reward, args=args,
+                      train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+                      callbacks=[callback])
+    trl.remove_callback(PrinterCallback)  # its end-of-training summary line
+    return trl
+
+
+def interleaved_steps(cfg, trainer: Trainer, steps: int, out: Path) -> dict[str, list[dict]]:
+    """Steps 1..``steps`` of TRL and of lopd, alternating (TRL first); per-step records of each."""
+    from transformers import TrainerCallback
+
+    records: dict[str, list[dict]] = {"trl": [], "lopd": []}
+    trl_log: dict[str, list] = {"reward": [], "generate": []}
+
+    class Alternate(TrainerCallback):
+        """Times each TRL step from the end of the previous one (the start of training for the
+        first) to the end of its own optimiser step, then runs lopd's step of the same number."""
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.start, self.calls = clocks(), 0
+
+        def on_step_end(self, args, state, control, **kwargs):
+            generate = trl_log["generate"][self.calls:]
+            record = {**since(self.start), **trl_log["reward"][-1],
+                      "generation_cpu_s": sum(g["cpu_s"] for g in generate),
+                      "generation_wall_s": sum(g["wall_s"] for g in generate)}
+            records["trl"].append(record)
+            ours = lopd_step(trainer, state.global_step)
+            records["lopd"].append(ours)
+            print(f"step {state.global_step}: TRL {record['cpu_s']:.2f} CPU s, lopd "
+                  f"{ours['cpu_s']:.2f} CPU s", flush=True)
+            self.start, self.calls = clocks(), len(trl_log["generate"])
+
+    trl_trainer(cfg, trainer, steps, out, trl_log, Alternate()).train()
+    return records
+
+
+def generate_tokens(model, tokenizer, prompts: list[list[int]], params: SamplingParams,
+                    stop_ids: list[int]) -> int:
+    """Generated tokens of ``model.generate`` as TRL's GRPOTrainer calls it: a left-padded batch,
+    sampling settings in a ``GenerationConfig``; each row counted up to its first stop token."""
+    from transformers import GenerationConfig
+
+    width = max(map(len, prompts))
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    config = GenerationConfig(max_new_tokens=params.max_new_tokens, do_sample=True,
+                              temperature=params.temperature, top_p=params.top_p,
+                              top_k=params.top_k, pad_token_id=pad,
+                              bos_token_id=tokenizer.bos_token_id, eos_token_id=stop_ids,
+                              disable_compile=True)
+    torch.manual_seed(params.seed)
+    with torch.no_grad():
+        new = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                             generation_config=config)[:, width:]
+    stops = torch.isin(new, torch.tensor(stop_ids, device=new.device))
+    lengths = torch.where(stops.any(1), stops.int().argmax(1) + 1, new.shape[1])
+    return int(lengths.sum())
+
+
+def engine_vs_generate(cfg, prompt_sets: list[list[list[int]]], repeats: int) -> dict[str, list]:
+    """Repeats of lopd's engine and of ``model.generate`` on the same prompts (``prompt_sets[r]``
+    in repeat r), interleaved, after one warm-up call each on ``prompt_sets[0]``; per-repeat
+    generated tokens and seconds of each."""
+    model, tokenizer = pipeline.load_model(cfg)
+    engine = TransformersEngine(model, tokenizer)
+    stop_ids = sorted(engine.stop_token_ids)
+    records: dict[str, list] = {"transformers_engine": [], "model_generate": []}
+    for repeat in range(repeats + 1):
+        prompts = prompt_sets[repeat]
+        params = SamplingParams.from_config(cfg.rollout, cfg.rollout.temperature, seed=repeat)
+        start = clocks()
+        tokens = sum(len(g.token_ids) for g in engine.generate(prompts, params))
+        ours = {**since(start), "tokens": tokens}
+        start = clocks()
+        tokens = generate_tokens(model, tokenizer, prompts, params, stop_ids)
+        theirs = {**since(start), "tokens": tokens}
+        if repeat:
+            records["transformers_engine"].append(ours)
+            records["model_generate"].append(theirs)
+            print(f"repeat {repeat}: engine {ours['tokens'] / ours['wall_s']:.0f} tokens/s, "
+                  f"model.generate {theirs['tokens'] / theirs['wall_s']:.0f} tokens/s", flush=True)
+    return records
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=11, help="steps of each trainer (the first "
+                        "is warm-up)")
+    parser.add_argument("--repeats", type=int, default=10, help="measured generation calls of "
+                        "each engine in (b)")
+    parser.add_argument("--config", default="tiny")
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--json", dest="json_path")
+    args = parser.parse_args()
+    if args.steps < 6:
+        parser.error("--steps must be >= 6: one warm-up step and at least five measured")
+    if args.repeats < 5:
+        parser.error("--repeats must be >= 5")
+
+    sets = [*args.overrides, "train.algorithm=grpo", "rollout.max_turns=1",
+            f"train.max_steps={args.steps}"]
+    cfg = load_config(args.config, sets)
+    if cfg.grpo.num_iterations != 1:
+        parser.error("grpo.num_iterations must be 1: TRL spreads several iterations over several "
+                     "optimiser steps, lopd makes them within one step")
+    runtime.set_threads(cfg.run.num_threads)
+    import transformers
+    import trl
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = Trainer(cfg, Path(tmp) / "lopd", get_algorithm("grpo"), progress=False)
+        steps = interleaved_steps(cfg, trainer, args.steps, Path(tmp) / "trl")
+        tokenizer = trainer.ctx.tokenizer
+        prompt_sets = [[models.render(tokenizer, trainer.env.reset(t).messages(), t.tools,
+                                      add_generation_prompt=True) for t in step_tasks(trainer, s)]
+                       for s in range(1, args.repeats + 2)]
+        device = str(trainer.device)
+    generation = engine_vs_generate(cfg, prompt_sets, args.repeats)
+    threads = torch.get_num_threads()
+
+    measured = {side: records[1:] for side, records in steps.items()}
+    summary = {side: {"cpu_s": spread([r["cpu_s"] for r in rs]),
+                      "wall_s": spread([r["wall_s"] for r in rs]),
+                      "generation_cpu_s": statistics.median(r["generation_cpu_s"] for r in rs),
+                      "rest_cpu_s": statistics.median(r["cpu_s"] - r["generation_cpu_s"]
+                                                      for r in rs),
+                      **{k: statistics.mean(r[k] for r in rs)
+                         for k in ("completion_tokens", "sequence_tokens", "reward",
+                                   "groups_without_signal")}}
+               for side, rs in measured.items()}
+    names = {"trl": f"TRL {trl.__version__} GRPOTrainer", "lopd": "lopd GRPO"}
+    rows = [[names[side], *(s["cpu_s"][k] for k in ("min", "median", "max")),
+             *(s["wall_s"][k] for k in ("min", "median", "max")), s["generation_cpu_s"],
+             s["rest_cpu_s"], round(s["completion_tokens"], 1), round(s["sequence_tokens"], 1),
+             round(s["reward"], 3), round(s["groups_without_signal"], 2)]
+            for side, s in summary.items()]
+    print(format_table(["trainer", "CPU s min", "median", "max", "wall s min", "median", "max",
+                        "generation CPU s", "rest CPU s", "completion tok", "sequence tok",
+                        "reward", "flat groups"], rows,
+                       title=f"(a) one GRPO step on {device}: {cfg.train.rollouts_per_step} "
+                       f"single-turn completions ({cfg.grpo.num_generations} per prompt), <= "
+                       f"{cfg.rollout.max_completion_length} tokens, T={cfg.rollout.temperature}, "
+                       f"loss {cfg.grpo.loss_type}, steps 2-{args.steps} interleaved, {threads} "
+                       f"thread(s); generation / rest: medians; tokens, reward: means per "
+                       f"completion; flat groups: share of groups with one reward"))
+
+    rates = {name: [r["tokens"] / r["wall_s"] for r in rs] for name, rs in generation.items()}
+    cpu_rates = {name: [r["tokens"] / r["cpu_s"] for r in rs] for name, rs in generation.items()}
+    engines = {name: {"tokens_per_wall_s": spread(rates[name]),
+                      "tokens_per_cpu_s": spread(cpu_rates[name]),
+                      "tokens": statistics.mean(r["tokens"] for r in rs)}
+               for name, rs in generation.items()}
+    labels = {"transformers_engine": "lopd TransformersEngine", "model_generate": "model.generate"}
+    print()
+    print(format_table(["engine", "tokens/s min", "median", "max", "tokens/CPU s median",
+                        "gen tokens per call"],
+                       [[labels[n], round(e["tokens_per_wall_s"]["min"]),
+                         round(e["tokens_per_wall_s"]["median"]),
+                         round(e["tokens_per_wall_s"]["max"]),
+                         round(e["tokens_per_cpu_s"]["median"]), round(e["tokens"], 1)]
+                        for n, e in engines.items()],
+                       title=f"(b) {len(prompt_sets[0])} prompts per call, <= "
+                       f"{cfg.rollout.max_completion_length} new tokens, natural stops, "
+                       f"T={cfg.rollout.temperature}, {args.repeats} calls each interleaved "
+                       f"after one warm-up"))
+
+    step_ratio = summary["lopd"]["cpu_s"]["median"] / summary["trl"]["cpu_s"]["median"]
+    wall_ratio = summary["lopd"]["wall_s"]["median"] / summary["trl"]["wall_s"]["median"]
+    engine_ratio = (engines["transformers_engine"]["tokens_per_wall_s"]["median"]
+                    / engines["model_generate"]["tokens_per_wall_s"]["median"])
+    print(f"\nlopd/TRL step time (medians): {step_ratio:.2f} CPU, {wall_ratio:.2f} wall")
+    print(f"lopd engine / model.generate tokens/s (medians): {engine_ratio:.2f}")
+    write_json(args.json_path, {
+        "device": device, "threads": threads, "steps": args.steps, "repeats": args.repeats,
+        "versions": {"trl": trl.__version__, "transformers": transformers.__version__,
+                     "torch": torch.__version__},
+        "settings": {"rollouts_per_step": cfg.train.rollouts_per_step,
+                     "num_generations": cfg.grpo.num_generations,
+                     "max_completion_length": cfg.rollout.max_completion_length,
+                     "temperature": cfg.rollout.temperature, "loss_type": cfg.grpo.loss_type,
+                     "beta": cfg.grpo.beta, "learning_rate": cfg.train.learning_rate},
+        "steps_summary": summary, "lopd_over_trl_cpu": step_ratio,
+        "lopd_over_trl_wall": wall_ratio, "engines": engines,
+        "engine_over_generate": engine_ratio, "per_step": steps, "per_generation": generation})
+
+
+if __name__ == "__main__":
+    main()
