@@ -138,3 +138,9 @@ def snapshot(folder):
     """Every file under ``folder`` with its bytes (to assert that nothing saved changed)."""
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
             if p.is_file()}
+
+
+def scored_length(action_mask) -> int:
+    """How much of a sequence scoring reads: up to its last action token (the whole sequence when
+    it has none)."""
+    return max((i for i, m in enumerate(action_mask) if m), default=len(action_mask) - 1) + 1

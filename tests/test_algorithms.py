@@ -45,7 +45,10 @@ def snapshot(params):
 def assert_same(a, b, what):
     assert len(a) == len(b)
     for (wa, ga), (wb, gb) in zip(a, b):
-        assert torch.allclose(wa, wb, rtol=0, atol=1e-6), f"{what}: weights differ"
+        # Adam's first step divides each gradient by its own magnitude, so a parameter whose
+        # gradient is near zero moves by an amount that float rounding (other padding widths,
+        # other groupings of the composer's inputs) shifts by ~1e-6.
+        assert torch.allclose(wa, wb, rtol=0, atol=2e-6), f"{what}: weights differ"
         assert (ga is None) == (gb is None), f"{what}: gradient presence differs"
         if ga is not None:
             assert torch.allclose(ga, gb, rtol=0, atol=1e-6), f"{what}: gradients differ"

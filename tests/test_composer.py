@@ -141,3 +141,80 @@ def test_uneven_experience_counts_are_refused(pair):
     with pytest.raises(ValueError, match=re.escape(
             "each of the 2 tasks needs the same number of experiences; got [2]")):
         composer.encode(TASKS, TRACES[:1])
+
+
+def _padded_reference_encode(composer, tasks, traces, compressor):
+    """The encoding as one right-padded batch of every input (no grouping, no dedup, no cache):
+    the definition the grouped encoder must reproduce."""
+    from lopd.composer import experience_text
+
+    texts = [experience_text(t, x) for t, xs in zip(tasks, traces) for x in xs]
+    batch = composer.tokenizer(texts, return_tensors="pt", padding="longest", truncation=True,
+                               max_length=composer.spec.max_experience_tokens,
+                               padding_side="right")
+    states = composer.base.get_decoder()(**batch).last_hidden_state
+    z = compressor(states, batch["attention_mask"])
+    z = z / z.norm(dim=-1, keepdim=True).clamp_min(1e-6) * composer.target_norm
+    return z.reshape(len(tasks), -1, z.size(-1))
+
+
+def test_grouped_and_deduplicated_encoding_is_the_padded_batch(pair):
+    composer, _ = pair
+    _perturb_lora(composer)
+    tasks = TASKS + [TASKS[0]]                     # a task met twice: its inputs encoded once
+    traces = TRACES + [TRACES[0]]
+    traces[1] = [traces[1][0], "Task: Reroute S2.\n" + "1. reroute(S2) -> ok\n" * 12]
+    with torch.no_grad():
+        z = composer.encode(tasks, traces)
+        reference = _padded_reference_encode(composer, tasks, traces, composer.compressor)
+    assert torch.allclose(z, reference, rtol=0, atol=1e-5)
+    assert torch.equal(z[0], z[2])
+    # The gradient of a shared input is the sum of its uses.
+    z = composer.encode(tasks, traces)
+    (z[0].sum() + z[2].sum()).backward()
+    twice = [p.grad.clone() for p in composer.trainable_parameters()]
+    composer.zero_grad()
+    (2 * composer.encode(tasks[:1], traces[:1])[0].sum()).backward()
+    once = [p.grad for p in composer.trainable_parameters()]
+    assert all((a - b).abs().max() <= 1e-5 * b.abs().max() for a, b in zip(twice, once))
+
+
+def test_the_anchor_cache_serves_frozen_latents_and_stays_bounded(pair, monkeypatch):
+    composer, _ = pair
+    _perturb_lora(composer)
+    plain = copy.deepcopy(composer)
+    plain.freeze_anchor(cache_mb=0)
+    composer.freeze_anchor(cache_mb=1.0)
+    with torch.no_grad():                           # ψ learns; φ0 does not
+        for p in composer.trainable_parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    first = composer.encode(TASKS, TRACES, anchor=True)
+    assert len(composer._anchor_cache) == 4
+    calls = []
+    decoder = composer.base.get_decoder()
+    monkeypatch.setattr(decoder, "forward", lambda *a, **k: calls.append(1) or (_ for _ in ()).throw(
+        AssertionError("re-encoded a cached input")))
+    again = composer.encode(TASKS, TRACES, anchor=True)
+    assert torch.equal(first, again) and not calls
+    monkeypatch.undo()
+    # A batch mixing cached and new inputs: the new ones as the uncached composer gives them.
+    traces = [TRACES[0], ["Task: Hold S9.\n1. hold(S9) -> ok", TRACES[1][1]]]
+    mixed = composer.encode(TASKS, traces, anchor=True)
+    expected = plain.encode(TASKS, traces, anchor=True)
+    assert torch.allclose(mixed, expected, rtol=0, atol=1e-5)
+    assert torch.equal(mixed[0], first[0])
+    # 1 MiB holds 1 MiB / (K · d · 4 bytes) inputs; the least recently used go first.
+    entries = composer._anchor_cache_entries
+    assert entries == int(2**20 / (SPEC.num_latents * composer.base.config.hidden_size * 4))
+    many = [f"Task {i}." for i in range(entries + 3)]
+    composer.encode(many, [[TRACES[0][0]]] * len(many), anchor=True)
+    assert len(composer._anchor_cache) == entries
+    assert plain._anchor_cache is None
+
+
+def test_no_anchor_cache_under_lora_dropout(tiny_tokenizer, tiny_model):
+    spec = ComposerConfig(num_latents=4, depth=2, num_heads=4, max_experience_tokens=64,
+                          lora_dropout=0.1)
+    composer = Composer(copy.deepcopy(tiny_model), tiny_tokenizer, spec)
+    composer.freeze_anchor(cache_mb=64)
+    assert composer._anchor_cache is None

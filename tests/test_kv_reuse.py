@@ -7,7 +7,7 @@ import torch
 from lopd import agent, models
 from lopd.envs import get_env
 from lopd.rollout import SamplingParams, TransformersEngine
-from lopd.rollout.transformers_engine import _similar_lengths
+from lopd.runtime import length_groups
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +140,6 @@ def test_kept_caches_with_latents_through_the_composer_agent(toolworld):
 
 
 def test_rows_are_prefilled_in_groups_of_similar_length():
-    assert _similar_lengths([5, 300, 6, 40, 290, 20]) == [[0, 2, 5], [3], [4, 1]]
-    assert _similar_lengths([]) == []
-    assert _similar_lengths([7, 7, 7]) == [[0, 1, 2]]
+    assert length_groups([5, 300, 6, 40, 290, 20]) == [[0, 2, 5], [3], [4, 1]]
+    assert length_groups([]) == []
+    assert length_groups([7, 7, 7]) == [[0, 1, 2]]

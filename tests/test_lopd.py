@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import defaultdict
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import yaml
 
 from conftest import lopd_config, make_lopd_inputs
 from lopd import agent, models, trainer
-from lopd.algorithms.base import StepBatch
+from lopd.algorithms.base import StepBatch, micro_batches
 
 
 @pytest.fixture(scope="module")
@@ -160,3 +161,35 @@ def test_grpo_step_changes_the_student_from_rewards_alone(inputs, tmp_path):
     figures = t.algorithm.step(batch)
     assert figures["action_tokens"] > 0 and figures["kl_ref"] >= 0
     assert any(not torch.equal(v, t.ctx.student.state_dict()[k]) for k, v in before.items())
+
+
+def test_the_anchor_cache_gives_the_uncached_steps(inputs, tmp_path):
+    """φ0's latents served from the cache (the same batch twice: the second step's anchor inputs
+    are all cached) give the steps of a run that re-encodes them."""
+    runs = {}
+    for name, mb in (("cached", 256.0), ("uncached", 0.0)):
+        t = build(inputs, tmp_path / name, **{"lopd.anchor_cache_mb": mb,
+                                               "lopd.add_successes": False})
+        batch = one_batch(t)
+        torch.manual_seed(0)
+        runs[name] = (t, [t.algorithm.step(batch) for _ in range(2)])
+    cached, uncached = runs["cached"][1], runs["uncached"][1]
+    assert len(runs["cached"][0].algorithm.composer._anchor_cache) > 0
+    assert runs["uncached"][0].algorithm.composer._anchor_cache is None
+    for a, b in zip(cached, uncached):
+        for key in ("kl", "kl_composer", "delta", "anchor", "loss_composer"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+    assert cached[1]["anchor"] > 0                  # φ moved away from φ0 after one step
+
+
+def test_a_frozen_composer_builds_no_graph_and_no_anchor(inputs, tmp_path):
+    t = build(inputs, tmp_path / "frozen", **{"lopd.update_composer": False})
+    alg = t.algorithm
+    batch = one_batch(t)
+    state = alg.before_step(batch)
+    state["_times"] = defaultdict(float)
+    scores = alg.score(micro_batches(batch.rollouts, 0)[0], state)
+    assert not scores.extras["latents"].requires_grad
+    assert scores.extras["anchor_latents"] is scores.extras["latents"]
+    figures = alg.step(batch)
+    assert figures["anchor"] == 0.0 and "composer/grad_norm" not in figures

@@ -6,7 +6,7 @@ config like every registered method. (Direction of a step, start-up refusals: te
 import pytest
 import torch
 
-from conftest import junk_and_gold_batch
+from conftest import junk_and_gold_batch, scored_length
 from lopd import losses, models
 from lopd.algorithms.opsd import PRIVILEGED_PREFIX
 from lopd.config import ConfigError, load_config
@@ -36,7 +36,8 @@ def test_the_frozen_base_reads_the_oracle_in_its_system_message_and_the_student_
                                           rows(alg.teacher.batch(batch.rollouts, [[d] for d in demos]))):
         at = index_of(rollout.input_ids, header) - len(close)
         block = ids_of(tok, "\n\n" + PRIVILEGED_PREFIX) + ids_of(tok, demo)
-        assert ids == rollout.input_ids[:at] + block + rollout.input_ids[at:]
+        end = len(block) + scored_length(rollout.action_mask)
+        assert ids == (rollout.input_ids[:at] + block + rollout.input_ids[at:])[:end]
         assert [x for x, m in zip(ids, mask) if m] == \
             [x for x, m in zip(rollout.input_ids, rollout.action_mask) if m]
         assert tok.decode(ids).split("<|im_end|>")[0].endswith(PRIVILEGED_PREFIX + demo)

@@ -8,7 +8,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from conftest import junk_and_gold_batch, resume_keeps_the_ema_teacher, small_config
+from conftest import junk_and_gold_batch, resume_keeps_the_ema_teacher, scored_length, small_config
 from lopd import losses, models, pipeline, trainer
 from lopd.algorithms import get_algorithm
 from lopd.algorithms.base import micro_batches
@@ -46,7 +46,8 @@ def test_the_ema_teacher_reads_the_oracle_demonstration_and_the_student_never_do
     for rollout, demo, (ids, _) in zip(batch.rollouts, demos, teacher_rows):
         at = index_of(rollout.input_ids, header) + len(header)
         block = ids_of(tok, DEMONSTRATION_PREFIX) + ids_of(tok, demo) + ids_of(tok, "\n\n")
-        assert ids == rollout.input_ids[:at] + block + rollout.input_ids[at:]
+        end = len(block) + scored_length(rollout.action_mask)
+        assert ids == (rollout.input_ids[:at] + block + rollout.input_ids[at:])[:end]
     # Both sides by plain forward passes: the student on its own tokens, the EMA copy on the
     # tokens with the demonstration.
     student = torch.cat([plain_action_logprobs(t.ctx.student, r.input_ids, r.action_mask)

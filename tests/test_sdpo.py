@@ -89,13 +89,15 @@ def test_the_ema_teacher_reads_the_siblings_trace_and_the_student_never_does(tmp
     header = ids_of(tok, "<|im_start|>user\n")
     teacher_rows = rows(alg.teacher.batch(r, state["teacher_context"]))
     for i, (rollout, (ids, mask)) in enumerate(zip(r, teacher_rows)):
+        # A scored row ends at its last action token.
+        end = max(j for j, m in enumerate(rollout.action_mask) if m) + 1
         if i not in sibling:      # no sibling: the teacher reads the rollout as the student did
-            assert ids == rollout.input_ids and mask == rollout.action_mask
+            assert ids == rollout.input_ids[:end] and mask == rollout.action_mask[:end]
             continue
         at = index_of(rollout.input_ids, header) + len(header)
         block = (ids_of(tok, SIBLING_PREFIX) + ids_of(tok, r[sibling[i]].compact_trace(chars))
                  + ids_of(tok, "\n\n"))
-        assert ids == rollout.input_ids[:at] + block + rollout.input_ids[at:]
+        assert ids == (rollout.input_ids[:at] + block + rollout.input_ids[at:])[:len(block) + end]
         assert SIBLING_PREFIX not in tok.decode(rollout.input_ids)
     student = torch.cat([plain_action_logprobs(t.ctx.student, x.input_ids, x.action_mask)
                          for x in r])

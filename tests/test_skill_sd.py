@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from conftest import small_config
+from conftest import scored_length, small_config
 from lopd import losses, trainer
 from lopd.algorithms import get_algorithm
 from lopd.algorithms.base import StepBatch, Totals
@@ -121,11 +121,13 @@ def test_the_teacher_reads_the_chosen_skill_and_the_student_never_does(tmp_path)
     for i, (rollout, (ids, mask)) in enumerate(zip(batch.rollouts, teacher_rows)):
         assert SKILL_PREFIX not in tok.decode(rollout.input_ids)
         if i >= 4:
-            assert ids == rollout.input_ids and mask == rollout.action_mask
+            end = scored_length(rollout.action_mask)
+            assert ids == rollout.input_ids[:end] and mask == rollout.action_mask[:end]
             continue
         at = index_of(rollout.input_ids, header) + len(header)
         block = ids_of(tok, SKILL_PREFIX) + ids_of(tok, skill) + ids_of(tok, "\n\n")
-        assert ids == rollout.input_ids[:at] + block + rollout.input_ids[at:]
+        end = len(block) + scored_length(rollout.action_mask)
+        assert ids == (rollout.input_ids[:at] + block + rollout.input_ids[at:])[:end]
     teacher = torch.cat([plain_action_logprobs(t.ctx.student, ids, mask)
                          for ids, mask in teacher_rows])
     assert torch.allclose(scores.teacher.token_logprobs(), teacher, rtol=1e-5, atol=1e-5)

@@ -61,8 +61,11 @@ def test_the_teacher_sequence_is_the_students_with_exactly_the_privileged_tokens
             block = ids_of(tokenizer, "\n\n" + PREFIX) + ids_of(tokenizer, text[0])
             at = user - len(close)
             assert student[at:user] == close
-        assert ids == student[:at] + block + student[at:]
-        assert mask == rollout.action_mask[:at] + [0] * len(block) + rollout.action_mask[at:]
+        expected = student[:at] + block + student[at:]
+        expected_mask = rollout.action_mask[:at] + [0] * len(block) + rollout.action_mask[at:]
+        # The scored row ends at its last action token (what follows scores nothing).
+        end = max(i for i, m in enumerate(expected_mask) if m) + 1
+        assert ids == expected[:end] and mask == expected_mask[:end]
         # One to one: the teacher's action tokens are the student's, in order.
         assert [t for t, m in zip(ids, mask) if m] == \
             [t for t, m in zip(student, rollout.action_mask) if m]
@@ -78,7 +81,8 @@ def test_the_teacher_sequence_is_the_students_with_exactly_the_privileged_tokens
     # The student's own sequences hold none of it.
     student_rows = rows(scoring_batch([r.input_ids for r in rollouts],
                                       [r.action_mask for r in rollouts], tokenizer.pad_token_id))
-    assert [ids for ids, _ in student_rows] == [r.input_ids for r in rollouts]
+    ends = [max(i for i, m in enumerate(r.action_mask) if m) + 1 for r in rollouts]
+    assert [ids for ids, _ in student_rows] == [r.input_ids[:e] for r, e in zip(rollouts, ends)]
     body = ids_of(tokenizer, texts[0][0])
     assert all(not any(ids[i:i + len(body)] == body for i in range(len(ids)))
                for ids, _ in student_rows)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+from collections import OrderedDict
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from lopd.agent import ModelPolicy, TurnContext
 from lopd.config import ComposerConfig, from_dict
 from lopd.latent import ReferenceFormat, insert_reference
 from lopd.rollout import Generation
+from lopd.runtime import length_groups
 
 class SharedBlock(nn.Module):
     """Pre-LN block: queries attend to [encoder states; queries], then a position-wise FFN."""
@@ -113,6 +115,8 @@ class Composer(nn.Module):
             norm = base.get_input_embeddings().weight.float().norm(dim=-1).mean()
         self.register_buffer("target_norm", norm)
         self.anchor_compressor: Compressor | None = None
+        self._anchor_cache: OrderedDict | None = None
+        self._anchor_cache_entries = 0
 
     # -- the two views of the one base --------------------------------------------------------
 
@@ -150,33 +154,70 @@ class Composer(nn.Module):
             if self.anchor_compressor is None:
                 raise RuntimeError("no anchor composer: call freeze_anchor() first")
             with self._adapter(self.ANCHOR):
-                return self._encode(tasks, experiences, self.anchor_compressor)
+                return self._encode(tasks, experiences, self.anchor_compressor,
+                                    self._anchor_cache)
         return self._encode(tasks, experiences, self.compressor)
 
-    def _encode(self, tasks: list[str], experiences: list[list[str]],
-                compressor: Compressor) -> torch.Tensor:
+    def _encode(self, tasks: list[str], experiences: list[list[str]], compressor: Compressor,
+                cache: OrderedDict | None = None) -> torch.Tensor:
         counts = {len(e) for e in experiences}
         if len(counts) != 1 or len(tasks) != len(experiences):
             raise ValueError(f"each of the {len(tasks)} tasks needs the same number of experiences; "
                              f"got {[len(e) for e in experiences]}")
         (n,) = counts
         texts = [experience_text(t, trace) for t, traces in zip(tasks, experiences) for trace in traces]
-        batch = self.tokenizer(texts, return_tensors="pt", padding="longest", truncation=True,
-                               max_length=self.spec.max_experience_tokens, padding_side="right")
-        batch = {k: v.to(self.base.device) for k, v in batch.items()}
-        # The decoder stack alone: the encoding is the last hidden layer, no vocabulary logits.
-        states = self.base.get_decoder()(input_ids=batch["input_ids"],
-                                         attention_mask=batch["attention_mask"]).last_hidden_state
-        z = compressor(states.to(compressor.queries.dtype), batch["attention_mask"])
-        z = z / z.norm(dim=-1, keepdim=True).clamp_min(1e-6) * self.target_norm
+        # Each distinct encoder input is encoded once (a task met twice in a batch, the same
+        # experience retrieved for it), and inputs of similar length together: every input is
+        # encoded on its own (right padding, causal encoder, masked compressor), so neither the
+        # grouping nor the padding changes its latents.
+        unique = list(dict.fromkeys(texts))
+        latents: list[torch.Tensor | None] = [None] * len(unique)
+        if cache is not None:
+            for i, text in enumerate(unique):
+                if text in cache:
+                    cache.move_to_end(text)
+                    latents[i] = cache[text]
+        missing = [i for i, z in enumerate(latents) if z is None]
+        if missing:
+            ids = self.tokenizer([unique[i] for i in missing], truncation=True,
+                                 max_length=self.spec.max_experience_tokens)["input_ids"]
+            device = self.base.device
+            pad = self.tokenizer.pad_token_id
+            for group in length_groups([len(x) for x in ids]):
+                width = max(len(ids[g]) for g in group)
+                input_ids = torch.full((len(group), width), pad, dtype=torch.long)
+                mask = torch.zeros((len(group), width), dtype=torch.long)
+                for row, g in enumerate(group):
+                    input_ids[row, :len(ids[g])] = torch.tensor(ids[g])
+                    mask[row, :len(ids[g])] = 1
+                input_ids, mask = input_ids.to(device), mask.to(device)
+                # The decoder stack alone: the encoding is the last hidden layer, no vocabulary
+                # logits.
+                states = self.base.get_decoder()(input_ids=input_ids,
+                                                 attention_mask=mask).last_hidden_state
+                z = compressor(states.to(compressor.queries.dtype), mask)
+                z = z / z.norm(dim=-1, keepdim=True).clamp_min(1e-6) * self.target_norm
+                for row, g in enumerate(group):
+                    latents[missing[g]] = z[row]
+            if cache is not None:
+                for i in missing:
+                    cache[unique[i]] = latents[i].detach()
+                while len(cache) > self._anchor_cache_entries:
+                    cache.popitem(last=False)
+        index = {text: i for i, text in enumerate(unique)}
+        z = torch.stack(latents)[torch.tensor([index[t] for t in texts], device=latents[0].device)]
         return z.reshape(len(tasks), n * self.spec.num_latents, z.size(-1))
 
     # -- the anchor φ0 ----------------------------------------------------------------------
 
-    def freeze_anchor(self) -> None:
+    def freeze_anchor(self, cache_mb: float = 0.0) -> None:
         """Keep a frozen copy of the current φ as φ0 (a second LoRA adapter beside ψ on the same
         base, and a copy of the compressor), so the anchor term can compare Z_φ with Z_φ0 without
-        a second copy of the base."""
+        a second copy of the base.
+
+        φ0 never changes, so with ``cache_mb`` > 0 its latents are kept (up to that many MiB, the
+        least recently used dropped first) and an encoder input met again is not re-encoded;
+        not with LoRA dropout, which makes every encoding a different sample."""
         from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
         if self.anchor_compressor is not None:
@@ -187,6 +228,11 @@ class Composer(nn.Module):
         self.encoder.set_adapter(self.ADAPTER)
         self.anchor_compressor = copy.deepcopy(self.compressor).requires_grad_(False)
         self._freeze_anchor_adapter()
+        entry_mb = self.spec.num_latents * self.target_norm.new_empty(0).element_size() * \
+            self.base.get_input_embeddings().weight.size(1) / 2**20
+        self._anchor_cache_entries = int(cache_mb / entry_mb)
+        self._anchor_cache = OrderedDict() if self._anchor_cache_entries > 0 \
+            and self.spec.lora_dropout == 0 else None
 
     def _freeze_anchor_adapter(self) -> None:
         for name, p in self.encoder.named_parameters():

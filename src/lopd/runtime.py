@@ -66,3 +66,18 @@ def setup(run_cfg) -> torch.device:
     set_threads(run_cfg.num_threads)
     set_seed(run_cfg.seed)
     return resolve_device(run_cfg.device)
+
+
+def length_groups(lengths: list[int], slack: float = 1.5, floor: int = 16) -> list[list[int]]:
+    """Indices of sequences grouped so that padding each group to its longest wastes little:
+    sorted by length, a new group starts at a sequence longer than ``slack`` times (and ``floor``
+    tokens more than) the group's shortest. Sequences that do not interact (prompts prefilled
+    together, experiences encoded together) give the same results in any grouping."""
+    groups: list[list[int]] = []
+    shortest = None
+    for index in sorted(range(len(lengths)), key=lengths.__getitem__):
+        if shortest is None or lengths[index] > max(slack * shortest, shortest + floor):
+            groups.append([])
+            shortest = lengths[index]
+        groups[-1].append(index)
+    return groups

@@ -44,13 +44,22 @@ def scoring_batch(sequences: Sequence[Sequence[int]], action_masks: Sequence[Seq
                   pad_id: int, blocks: Sequence[Sequence[int]] | None = None,
                   fmt: ReferenceFormat | TextPlacement | None = None) -> ScoringBatch:
     """Pad ``sequences`` into a batch, inserting ``blocks[i]`` into row i where ``fmt`` says when
-    blocks are given."""
+    blocks are given.
+
+    A row ends at its last action token: what follows (the tool's answer to the last turn, the
+    closing of the chat) predicts no action, and under causal attention it changes no score at
+    the actions, so it is not scored. A row without action tokens is kept whole."""
     rows, masks = [], []
     for i, (ids, mask) in enumerate(zip(sequences, action_masks)):
         ids, mask = list(ids), list(mask)
         if blocks is not None:
             ids, at = insert_reference(ids, blocks[i], fmt)
             mask = shift_after(mask, at, len(blocks[i]), 0)
+        end = len(mask)
+        while end and not mask[end - 1]:
+            end -= 1
+        if end:
+            ids, mask = ids[:end], mask[:end]
         rows.append(ids)
         masks.append(mask)
     width = max(map(len, rows))
@@ -258,14 +267,24 @@ class LatentContext(TeacherView):
     latents Z_φ0 come along (no gradient) in ``extras``."""
 
     kind = "latent"
-    frozen = False
 
-    def __init__(self, composer, fmt: ReferenceFormat, anchor: bool = False):
-        self.composer, self.fmt, self.anchor = composer, fmt, anchor
+    def __init__(self, composer, fmt: ReferenceFormat, anchor: bool = False, trained: bool = True):
+        """``trained=False``: the composer does not learn (its φ stays φ0), so the latents are
+        computed without a graph, the anchor latents are the same latents, and the view's
+        scores are the same on every pass over a step (``frozen``)."""
+        self.composer, self.fmt, self.anchor, self.trained = composer, fmt, anchor, trained
+        self.frozen = not trained
 
     def score(self, rollouts, context) -> tuple[ActionLogits, dict]:
         instructions = [r.instruction for r in rollouts]
         traces = [list(t) for t in context]
+        if not self.trained:
+            with torch.no_grad():
+                latents = self.composer.encode(instructions, traces)
+                extras = {"latents": latents}
+                if self.anchor:
+                    extras["anchor_latents"] = latents
+                return teacher_pass(self.composer, rollouts, self.fmt, latents=latents), extras
         latents = self.composer.encode(instructions, traces)
         extras = {"latents": latents}
         if self.anchor:

@@ -77,6 +77,10 @@ class LopdConfig:
         "signed_reward", "w(r) of the margin Δ: 'signed_reward' 2r - 1 (the paper's release), "
         "'success' +1/-1 by the environment's success, 'advantage' (r - batch mean) / batch std.")
     add_successes: bool = knob(True, "Add the step's successful rollouts to the bank.")
+    anchor_cache_mb: float = knob(
+        256.0, "MiB of φ0's latents kept on the device: φ0 is frozen, so an (instruction, "
+        "experience) pair met again is not re-encoded for the anchor term (0 = off; off with "
+        "composer.lora_dropout > 0, where every encoding is a different sample).", ge=0.0)
     update_composer: bool = knob(
         True, "Train the composer jointly with the student (the method). False keeps the "
         "cold-started φ0 frozen: no composer update and no dual update (β stays at "
@@ -153,11 +157,13 @@ class LOPD(Algorithm):
         # The frozen base θ0: one copy serves the composer's encoder (adapter on) and the teacher.
         base, _ = pipeline.load_model(cfg, device=ctx.device)
         self.composer = Composer.load(cold_start, base, ctx.tokenizer)
-        self.composer.freeze_anchor()
+        self.composer.freeze_anchor(cache_mb=self.spec.anchor_cache_mb)
         if checkpoint is not None:
             self.composer.load_weights(checkpoint / self.COMPOSER_DIR)
         self.fmt = ReferenceFormat.for_tokenizer(ctx.tokenizer)
-        self.teacher = LatentContext(self.composer, self.fmt, anchor=True)
+        # A frozen composer (the ablation) needs no graph to its latents and no anchor: Z_φ = Z_φ0.
+        self.teacher = LatentContext(self.composer, self.fmt, anchor=True,
+                                     trained=self.spec.update_composer)
         self.n_ret = cfg.bank.n_ret
         self.composer_updater = Updater(self.composer.trainable_parameters(),
                                         self.spec.composer_learning_rate,

@@ -22,6 +22,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from lopd.latent import splice_embeddings
+from lopd.runtime import length_groups
 from lopd.models import IM_END, LATENT_TOKEN
 from lopd.rollout.engine import Generation, RolloutEngine, SamplingParams, check_prompts
 
@@ -101,20 +102,6 @@ class _KeptCache:
     """Per layer, (heads, len(tokens), head_dim) keys and values, padding removed."""
     latents: torch.Tensor | None
     """The latents spliced into the prompt when the cache was made (None: none)."""
-
-
-def _similar_lengths(lengths: list[int], slack: float = 1.5, floor: int = 16) -> list[list[int]]:
-    """Row indices grouped so that padding each group to its longest wastes little: rows sorted
-    by length, a new group when a row is longer than ``slack`` times (and ``floor`` more than) the
-    group's shortest."""
-    groups: list[list[int]] = []
-    shortest = None
-    for row in sorted(range(len(lengths)), key=lengths.__getitem__):
-        if shortest is None or lengths[row] > max(slack * shortest, shortest + floor):
-            groups.append([])
-            shortest = lengths[row]
-        groups[-1].append(row)
-    return groups
 
 
 class _BufferedLayer(DynamicLayer):
@@ -313,7 +300,7 @@ class TransformersEngine(RolloutEngine):
         # decode cache, right-aligned like a left-padded batch, with room for the whole call.
         logits, layers = None, None
         capacity = width + params.max_new_tokens
-        for rows in _similar_lengths([len(p) - (len(e.tokens) if e is not None else 0)
+        for rows in length_groups([len(p) - (len(e.tokens) if e is not None else 0)
                                       for p, e in zip(prompts, reused)]):
             group_logits, group_cache, group_mask = self._prefill(
                 [prompts[r] for r in rows], [reused[r] for r in rows],
