@@ -7,7 +7,8 @@ base, task stream and ``train.rollouts_per_step``; their steps are interleaved (
 method, then step 2, ...), so a machine that slows down or speeds up does so for all of them alike.
 Step 1 is warm-up and not counted. For each method: min / median / max seconds of the measured
 steps, the median of each phase (rollout, before the step — retrieval, contexts —, student
-forward, teacher pass, backward, optimiser, after the update — dual variable, bank add, EMA), and
+forward, teacher pass — for LOPD with its parts, the composer's Z_φ and the anchor's Z_φ0 —,
+backward, optimiser, after the update — dual variable, bank add, EMA), and
 the largest resident memory seen at the end of its steps (one process holds every trainer, so this
 is the process's, not the method's; on a GPU the method's own peak CUDA allocation is given). The
 LOPD/GRPO ratio of the medians is printed last.

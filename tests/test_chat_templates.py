@@ -491,3 +491,51 @@ def test_prepare_bank_cold_start_and_one_lopd_step(family, tmp_path):
     assert [p.name for p in trainer.checkpoints(run)] == ["step-000001"]
     student, _ = models.load_model(trainer.checkpoints(run)[0] / "student")
     assert student.config.vocab_size == prepared_vocab
+
+
+def _episodes_both_ways(monkeypatch, tokenizer, policy_of, n=6):
+    env = get_env("toolworld", seed=0, sizes=SIZES)
+    tasks = env.tasks("train")[:n] * 2                         # a task opened twice: a group
+    runs, forms = [], {}
+    for fast in (True, False):
+        monkeypatch.setattr(agent, "FAST_TEMPLATE", fast)
+        monkeypatch.setattr(agent, "_OPENINGS", agent.OrderedDict())
+        monkeypatch.setattr(agent, "_PIECE_FORMS", forms if fast else {})
+        runs.append(agent.run_episodes(env, tasks, policy_of(), tokenizer, max_turns=8,
+                                       max_new_tokens=96, batch_size=4))
+    return (*runs, forms)
+
+
+def test_rendering_the_template_once_per_opening_and_piece_form_changes_no_token(family,
+                                                                              monkeypatch):
+    """The loop's shortcuts (an opening rendered once, a tool message's piece from the text its
+    content sits between) give the same rollouts as rendering the whole conversation every turn:
+    gold replays and random actions (malformed calls, error observations) of every family."""
+    _, _, _, prepared, _ = family
+    tokenizer = models.load_tokenizer(prepared)
+    for policy_of in (agent.OraclePolicy, lambda: agent.RandomPolicy(seed=3)):
+        fast, full, forms = _episodes_both_ways(monkeypatch, tokenizer, policy_of)
+        assert sum(r.num_turns for r in fast) > len(fast)
+        assert [r.input_ids for r in fast] == [r.input_ids for r in full]
+        assert [r.action_mask for r in fast] == [r.action_mask for r in full]
+        assert forms and None not in forms.values()               # the shortcut was taken
+
+
+def test_a_template_that_edits_tool_content_is_rendered_in_full(monkeypatch):
+    """Tool content trimmed by the template: no verbatim form, so every piece is rendered."""
+    tokenizer = family_tokenizer(FAMILIES["tulu"])
+    tokenizer.chat_template = OLMO2_TEMPLATE.replace(
+        "'<|tool|>\\n' + message.content + '\\n'", "'<|tool|>\\n' + message.content | trim + '\\n'")
+    assert "| trim" in tokenizer.chat_template
+    fast, full, forms = _episodes_both_ways(monkeypatch, tokenizer,
+                                            lambda: agent.RandomPolicy(seed=3))
+    assert [r.input_ids for r in fast] == [r.input_ids for r in full]
+    assert forms and set(forms.values()) == {None}
+
+
+def test_the_embedded_tokenizer_takes_the_template_shortcuts_exactly(monkeypatch):
+    tokenizer = models.load_tokenizer(str(models.EMBEDDED["toolworld-1m"]))
+    fast, full, forms = _episodes_both_ways(monkeypatch, tokenizer,
+                                            lambda: agent.RandomPolicy(seed=5))
+    assert [r.input_ids for r in fast] == [r.input_ids for r in full]
+    assert forms and None not in forms.values()

@@ -24,7 +24,7 @@ import random
 import re
 import string
 from abc import ABC, abstractmethod
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -464,6 +464,18 @@ _CONTENT_PLACEHOLDER = "\x00lopd-assistant-content\x00"
 # Every episode run gets its own session id: turns of one episode share it, no two episodes do.
 _SESSIONS = itertools.count()
 
+# The chat template is rendered as little as the loop can: an episode's opening once per distinct
+# (template, tools, messages) — the episodes of one task open alike (a GRPO group) —, and the
+# piece after an assistant turn from the text a tool message's content sits between, found once
+# per (template, tools, role) with stand-in contents and checked against a full rendering on each
+# episode's first tool message; a template that does not render the content verbatim (or whose
+# check fails once) is rendered in full at every turn. ``FAST_TEMPLATE = False`` always renders.
+FAST_TEMPLATE = True
+_OPENINGS: OrderedDict = OrderedDict()
+_OPENINGS_KEPT = 1024
+_PIECE_FORMS: dict = {}
+_STAND_INS = ("\x00lopd-tool-content\x00", " \x00other \"tool\" content\x00\n")
+
 
 class _EpisodeRun:
     """One episode in flight: the environment episode and the growing token sequence."""
@@ -477,8 +489,22 @@ class _EpisodeRun:
         self.turn_end = turn_end_token(tokenizer)
         self.turn_end_id = tokenizer.convert_tokens_to_ids(self.turn_end)
         self.messages = [dict(m) for m in episode.messages()]
-        with_prompt = self._template(self.messages, add_generation_prompt=True, tokenize=True)
-        without = self._template(self.messages, add_generation_prompt=False, tokenize=True)
+        template = tokenizer.chat_template
+        self._template_key = (id(tokenizer), template if isinstance(template, str) else repr(template),
+                              json.dumps(self.task.tools, sort_keys=True))
+        self._forms_checked: set[str] = set()
+        key = (*self._template_key, json.dumps(self.messages, sort_keys=True))
+        opening = _OPENINGS.get(key) if FAST_TEMPLATE else None
+        if opening is None:
+            opening = (self._template(self.messages, add_generation_prompt=True, tokenize=True),
+                       self._template(self.messages, add_generation_prompt=False, tokenize=True))
+            if FAST_TEMPLATE:
+                _OPENINGS[key] = opening
+                while len(_OPENINGS) > _OPENINGS_KEPT:
+                    _OPENINGS.popitem(last=False)
+        else:
+            _OPENINGS.move_to_end(key)
+        with_prompt, without = opening
         if with_prompt[:len(without)] != without:
             raise ValueError("the chat template's generation prompt does not extend the prompt's "
                              "tokens; the agent loop needs an append-only template")
@@ -497,9 +523,9 @@ class _EpisodeRun:
         self.action_mask += [mask] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
 
-    def _piece_after_assistant(self, tool_message: dict | None) -> list[int]:
-        """Token ids of what the template renders after the last assistant turn's end-of-turn
-        token: the turn's closing text and, when given, the tool message (no generation prompt)."""
+    def _piece_text(self, tool_message: dict | None) -> str:
+        """What the template renders after the last assistant turn's end-of-turn token: the
+        turn's closing text and, when given, the tool message (no generation prompt)."""
         messages = self.messages[:-1] + [{"role": "assistant", "content": _CONTENT_PLACEHOLDER}]
         if tool_message is not None:
             messages.append(tool_message)
@@ -508,7 +534,37 @@ class _EpisodeRun:
         at = rendered.rfind(marker)
         if at < 0:
             raise ValueError(f"the chat template does not end assistant turns with {self.turn_end}")
-        return self.tokenizer(rendered[at + len(marker):], add_special_tokens=False)["input_ids"]
+        return rendered[at + len(marker):]
+
+    def _piece_form(self, role: str) -> tuple[str, str] | None:
+        """(text before, text after) a ``role`` message's content in the piece, or None when the
+        stand-in contents are not rendered verbatim between the same two texts."""
+        forms = set()
+        for stand_in in _STAND_INS:
+            text = self._piece_text({"role": role, "content": stand_in})
+            if text.count(stand_in) != 1:
+                return None
+            before, after = text.split(stand_in)
+            forms.add((before, after))
+        return forms.pop() if len(forms) == 1 else None
+
+    def _piece_after_assistant(self, tool_message: dict | None) -> list[int]:
+        """Token ids of :meth:`_piece_text`."""
+        form = None
+        if FAST_TEMPLATE and tool_message is not None:
+            key = (*self._template_key, tool_message["role"])
+            if key not in _PIECE_FORMS:
+                _PIECE_FORMS[key] = self._piece_form(tool_message["role"])
+            form = _PIECE_FORMS[key]
+        if form is not None and tool_message["role"] in self._forms_checked:
+            text = form[0] + tool_message["content"] + form[1]
+        else:
+            text = self._piece_text(tool_message)
+            if form is not None:
+                self._forms_checked.add(tool_message["role"])
+                if text != form[0] + tool_message["content"] + form[1]:
+                    _PIECE_FORMS[key] = None
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def fits_next_turn(self, max_new_tokens: int, max_length: int | None) -> bool:
         return (max_length is None

@@ -16,6 +16,7 @@ copy of the student. Views: :class:`OtherWeights` (no context), :class:`LatentCo
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -276,21 +277,23 @@ class LatentContext(TeacherView):
         self.frozen = not trained
 
     def score(self, rollouts, context) -> tuple[ActionLogits, dict]:
+        """Also times its parts: ``time/composer`` (Z_φ) and ``time/anchor`` (Z_φ0) in extras."""
         instructions = [r.instruction for r in rollouts]
         traces = [list(t) for t in context]
-        if not self.trained:
-            with torch.no_grad():
-                latents = self.composer.encode(instructions, traces)
-                extras = {"latents": latents}
-                if self.anchor:
+        clock = time.perf_counter()
+        with torch.set_grad_enabled(self.trained and torch.is_grad_enabled()):
+            latents = self.composer.encode(instructions, traces)
+            extras = {"latents": latents, "time/composer": time.perf_counter() - clock}
+            clock = time.perf_counter()
+            if self.anchor:
+                if self.trained:
+                    with torch.no_grad():
+                        extras["anchor_latents"] = self.composer.encode(instructions, traces,
+                                                                        anchor=True)
+                else:
                     extras["anchor_latents"] = latents
-                return teacher_pass(self.composer, rollouts, self.fmt, latents=latents), extras
-        latents = self.composer.encode(instructions, traces)
-        extras = {"latents": latents}
-        if self.anchor:
-            with torch.no_grad():
-                extras["anchor_latents"] = self.composer.encode(instructions, traces, anchor=True)
-        return teacher_pass(self.composer, rollouts, self.fmt, latents=latents), extras
+            extras["time/anchor"] = time.perf_counter() - clock
+            return teacher_pass(self.composer, rollouts, self.fmt, latents=latents), extras
 
 
 class TextContext(TeacherView):

@@ -234,6 +234,9 @@ class SharedStep:
                 context = state.get("teacher_context")
                 teacher, extras = self.teacher.score(
                     rollouts, micro.take(context) if context is not None else None)
+                # A view's own timings (its parts of the teacher phase) go to the step's times.
+                for key in [k for k in extras if k.startswith("time/")]:
+                    state["_times"][key] += extras.pop(key)
                 if self.teacher.frozen:
                     cache[micro.index] = (teacher, extras)
             if student is not None and not torch.equal(student.targets, teacher.targets):

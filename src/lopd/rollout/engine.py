@@ -3,8 +3,9 @@
 Engines see token ids only, never text or chat messages: the agent loop owns the chat format and
 the token bookkeeping, so every engine produces sequences that line up exactly with what the
 trainer scores. A vLLM engine implements the same :meth:`RolloutEngine.generate` with
-``TokensPrompt`` inputs; its prefix cache then reuses the shared conversation prefix across the
-turns of an episode, which the transformers engine recomputes.
+``TokensPrompt`` inputs; its prefix cache reuses the shared conversation prefix across the turns of
+an episode. The transformers engine keeps each episode's KV cache between turns instead (the loop
+names the episode of every prompt: ``sessions``), so a turn prefills only its new tokens.
 """
 
 from __future__ import annotations
