@@ -72,7 +72,8 @@ def test_a_changed_weight_is_never_served_from_a_kept_cache(tiny_model, tiny_tok
 
     model = copy.deepcopy(tiny_model)
     params = SamplingParams(temperature=0.0, max_new_tokens=6)
-    prompt = tiny_tokenizer("a b c d e f", add_special_tokens=False)["input_ids"]
+    prompt = tiny_tokenizer(" ".join("abcdefghijklmnopqrst"), add_special_tokens=False)["input_ids"]
+    assert len(prompt) > TransformersEngine.MIN_SHARED
     engine = TransformersEngine(model, tiny_tokenizer)
     extended = continuation(engine, tiny_tokenizer, prompt, params)
     before = engine.prefilled_tokens
@@ -86,11 +87,20 @@ def test_a_changed_weight_is_never_served_from_a_kept_cache(tiny_model, tiny_tok
     assert engine.prefilled_tokens - before == len(extended)           # prefilled whole
     fresh = TransformersEngine(model, tiny_tokenizer, reuse_cache=False)
     assert served == fresh.generate([extended], params)[0]
-    # Another session, or no sessions, never reuses; release() forgets everything.
-    continuation(engine, tiny_tokenizer, prompt, params)
+    # A new session borrows the prefix it shares with a kept one; without sessions nothing is
+    # reused; release() forgets everything.
+    kept = continuation(engine, tiny_tokenizer, prompt, params)
+    shared = len(kept) - len(tiny_tokenizer("\nok", add_special_tokens=False)["input_ids"]) - 1
+    other = kept[:shared] + tiny_tokenizer(" x y", add_special_tokens=False)["input_ids"]
     before = engine.prefilled_tokens
-    engine.generate([extended], params, sessions=["another"])
-    assert engine.prefilled_tokens - before == len(extended)
+    borrowed = engine.generate([other], params, sessions=["another"])[0]
+    assert engine.prefilled_tokens - before == len(other) - shared
+    alone = fresh.generate([other], params)[0]
+    assert borrowed.token_ids == alone.token_ids
+    assert max(abs(a - b) for a, b in zip(borrowed.logprobs, alone.logprobs)) < 1e-4
+    before = engine.prefilled_tokens
+    engine.generate([other], params)
+    assert engine.prefilled_tokens - before == len(other)
     engine.release()
     assert engine._kept == {}
 

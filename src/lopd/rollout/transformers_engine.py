@@ -17,6 +17,7 @@ import inspect
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -149,11 +150,16 @@ class TransformersEngine(RolloutEngine):
 
     With ``reuse_cache`` (the default) a call given ``sessions`` keeps each session's KV cache
     until the next call; there a prompt of the same session that extends the kept sequence
-    prefills only its new tokens. Sessions absent from a call are dropped, :meth:`release` drops
-    them all, and nothing is reused when the model's weights changed in between (the parameters'
-    in-place versions, the adapters' on/off state) or the latents differ. Models whose cache is
-    not a plain per-layer key/value cache (sliding-window or recurrent layers) always re-prefill.
+    prefills only its new tokens, and a new session's prompt borrows the prefix it shares with
+    a kept one (the system prompt and tools of episodes of one template). Sessions absent from a
+    call are dropped after it, :meth:`release` drops them all, and nothing is reused when the
+    model's weights changed in between (the parameters' in-place versions, the adapters' on/off
+    state) or the latents differ. Models whose cache is not a plain per-layer key/value cache
+    (sliding-window or recurrent layers) always re-prefill.
     """
+
+    MIN_SHARED = 16
+    """Fewest shared prompt tokens a new episode borrows from another episode's kept cache."""
 
     def __init__(self, model, tokenizer, stop_token_ids: Iterable[int] | None = None,
                  reuse_cache: bool = True):
@@ -214,7 +220,13 @@ class TransformersEngine(RolloutEngine):
 
     def _reusable(self, prompts, latents, sessions) -> list[_KeptCache | None]:
         """Per prompt, the kept cache it extends (None: prefill the whole prompt). The kept caches
-        are handed over: this call keeps its own."""
+        are handed over: this call keeps its own.
+
+        A prompt whose session has nothing kept (a new episode) borrows the longest prefix it
+        shares with any kept sequence, when that is at least ``MIN_SHARED`` tokens: episodes of
+        one task template open with the same system prompt and tool list. Keys and values of the
+        same tokens at the same positions are the same whoever computed them (causal attention);
+        not with latents, whose values differ from row to row."""
         kept, self._kept = self._kept, {}
         if not self.reuse_cache or sessions is None:
             self._kept_state = None
@@ -223,6 +235,7 @@ class TransformersEngine(RolloutEngine):
         if state != self._kept_state:
             kept = {}
         self._kept_state = state
+        donors = list(kept.values())
         found = []
         for row, (prompt, session) in enumerate(zip(prompts, sessions)):
             entry = kept.pop(session, None)
@@ -232,6 +245,25 @@ class TransformersEngine(RolloutEngine):
                     and (latents is None or torch.equal(entry.latents, latents[row]))):
                 entry = None
             found.append(entry)
+        fresh = [row for row, entry in enumerate(found) if entry is None]
+        if donors and fresh and latents is None:
+            width = max(len(d.tokens) for d in donors)
+            table = np.full((len(donors), width), -1, dtype=np.int64)
+            for i, donor in enumerate(donors):
+                table[i, :len(donor.tokens)] = donor.tokens
+            for row in fresh:
+                prompt = np.asarray(prompts[row][:width], dtype=np.int64)
+                # Shared prefix with every donor; at most all but the prompt's last token.
+                same = table[:, :len(prompt)] == prompt
+                shared = np.logical_and.accumulate(same, axis=1).sum(axis=1)
+                shared = np.minimum(shared, len(prompts[row]) - 1)
+                best = int(shared.argmax())
+                length = int(shared[best])
+                if length >= self.MIN_SHARED:
+                    donor = donors[best]
+                    found[row] = _KeptCache(donor.tokens[:length],
+                                            [(k[:, :length], v[:, :length])
+                                             for k, v in donor.layers], None)
         return found
 
     def _prefill(self, prompts: list[list[int]], reused: list[_KeptCache | None],
