@@ -153,3 +153,26 @@ def test_rows_are_prefilled_in_groups_of_similar_length():
     assert length_groups([5, 300, 6, 40, 290, 20]) == [[0, 2, 5], [3], [4, 1]]
     assert length_groups([]) == []
     assert length_groups([7, 7, 7]) == [[0, 1, 2]]
+
+
+def test_a_prompt_given_several_times_is_prefilled_once(tiny_model, tiny_tokenizer):
+    """A GRPO group's prompt: prefilled once, its copies decode from the same cache; greedy
+    copies equal the prompt alone, sampled copies differ and carry their own log-probs."""
+    p = tiny_tokenizer(" ".join("abcdefgh"), add_special_tokens=False)["input_ids"]
+    q = tiny_tokenizer(" ".join("zyxw"), add_special_tokens=False)["input_ids"]
+    engine = TransformersEngine(tiny_model, tiny_tokenizer)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    out = engine.generate([p, p, q, p], greedy)
+    assert engine.prefilled_tokens == len(p) + len(q)
+    alone = TransformersEngine(tiny_model, tiny_tokenizer)
+    assert out[0].token_ids == out[1].token_ids == out[3].token_ids \
+        == alone.generate([p], greedy)[0].token_ids
+    assert out[2].token_ids == alone.generate([q], greedy)[0].token_ids
+    sampled = engine.generate([p] * 4, SamplingParams(temperature=1.0, max_new_tokens=12, seed=0))
+    assert len({tuple(g.token_ids) for g in sampled}) > 1
+    with torch.no_grad():
+        for g in sampled:
+            logits = tiny_model(torch.tensor([p + g.token_ids])).logits[0].float()
+            expected = torch.log_softmax(logits, -1)[len(p) - 1:-1].gather(
+                -1, torch.tensor(g.token_ids).unsqueeze(1)).squeeze(1)
+            assert torch.allclose(torch.tensor(g.logprobs), expected, atol=1e-4)

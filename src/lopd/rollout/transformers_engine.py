@@ -332,8 +332,22 @@ class TransformersEngine(RolloutEngine):
         # decode cache, right-aligned like a left-padded batch, with room for the whole call.
         logits, layers = None, None
         capacity = width + params.max_new_tokens
-        for rows in length_groups([len(p) - (len(e.tokens) if e is not None else 0)
-                                      for p, e in zip(prompts, reused)]):
+        # A prompt given several times (a GRPO group's) is prefilled once; its copies take the
+        # same cache rows and logits, then sample on their own.
+        first: dict[tuple, int] = {}
+        copies: list[tuple[int, int]] = []
+        for row, (prompt, entry) in enumerate(zip(prompts, reused)):
+            if entry is None and latents is None:
+                key = tuple(prompt)
+                if key in first:
+                    copies.append((row, first[key]))
+                    continue
+                first[key] = row
+        copied = {row for row, _ in copies}
+        prefilled = [row for row in range(batch) if row not in copied]
+        for group in length_groups([len(prompts[r]) - (len(reused[r].tokens) if reused[r] is not None
+                                                       else 0) for r in prefilled]):
+            rows = [prefilled[g] for g in group]
             group_logits, group_cache, group_mask = self._prefill(
                 [prompts[r] for r in rows], [reused[r] for r in rows],
                 latents[rows] if latents is not None else None)
@@ -353,6 +367,12 @@ class TransformersEngine(RolloutEngine):
             for layer, part in zip(layers, group_cache.layers):
                 layer.key_buffer[at[local], :, target] = part.keys[local, :, source]
                 layer.value_buffer[at[local], :, target] = part.values[local, :, source]
+        if copies:
+            to, source = (torch.tensor(x, device=device) for x in zip(*copies))
+            logits[to] = logits[source]
+            for layer in layers:
+                layer.key_buffer[to] = layer.key_buffer[source]
+                layer.value_buffer[to] = layer.value_buffer[source]
         del reused
         cache = DynamicCache(config=self.model.config)
         cache.layers = layers
