@@ -36,8 +36,8 @@ from lopd.tables import format_table, write_json
 from lopd.trainer import Trainer, step_seed, tasks_for_step
 
 METHODS = ("grpo", "lopd", "sdft", "opsd", "sdpo", "skill_sd")
-PHASES = ("rollout", "before_step", "student_forward", "teacher", "backward", "optimizer",
-          "after_update")
+PHASES = ("rollout", "before_step", "student_forward", "teacher", "composer", "anchor", "backward",
+          "optimizer", "after_update")
 
 
 def resident_mb() -> float:

@@ -50,13 +50,15 @@ each.
 Differences that remain between the two setups of (a):
 
 * TRL's generation is ``model.generate``, which keeps a finished row in the batch (padding) until
-  the longest row ends; lopd's engine drops a row the moment it stops. Part (b) measures that gap.
+  the longest row ends and prefills every prompt of a group; lopd's engine drops a row the moment
+  it stops, prefills a prompt given several times (a group's) once, and prefills prompts of
+  similar length together. Part (b) measures the engines on the same prompts.
 * lopd's engine returns each sampled token's log-prob (kept with the rollout; GRPO with μ = 1 does
   not need it); TRL's non-vLLM path returns none.
 * lopd's rollout is an episode of the agent loop: the assistant turn is parsed and the tool call
   executed during the rollout, and the tool's answer (template tokens and the observation, mask 0)
-  is appended to the sequence, so lopd's scoring forward runs over prompt + completion + that
-  answer, TRL's over prompt + completion only. The table gives both sides' mean sequence lengths.
+  is appended to the sequence (the table's sequence tokens); lopd's scoring reads each sequence up
+  to its last completion token only, as TRL's does.
 * Both apply the output head only where a completion (action) token is predicted, in tiles (TRL's
   fused log-prob head) or chunks (lopd's); TRL's head also computes each token's entropy (for its
   metric), lopd's only the log-probs. TRL's batch is the prompts left-padded to the longest prompt
@@ -66,8 +68,8 @@ Differences that remain between the two setups of (a):
   per-step metric lists (completion lengths, rewards, entropy, clip ratios); lopd returns its step
   figures as a dict. TRL's reward replays each completion in the environment after generation;
   lopd's environment steps happen inside the episode loop (the same work, done once).
-* lopd's episode loop renders each episode's chat template several times (the prompt with and
-  without the generation prompt, the text after the turn with and without the tool's answer) and
+* lopd's episode loop renders the chat template for each distinct opening (with and without the
+  generation prompt: once per task, not per completion) and the text after each turn, and
   tokenises them; TRL tokenises each prompt text once. This is in lopd's generation column.
 * TRL's trainer loop estimates FLOPs and counts input tokens per step and runs its callbacks; lopd
   zeroes the gradient rows of ``<|latent|>`` (a hook on the embedding; the student loss never trains
