@@ -1,7 +1,8 @@
 """Rollout engine on vLLM: the same token-id interface, served by an in-process ``vllm.LLM``.
 
-What it adds over the transformers engine: paged attention, continuous batching and a prefix cache
-that reuses the shared conversation prefix across the turns of an episode. What stays the same:
+What it adds over the transformers engine: paged attention and continuous batching; its prefix
+cache reuses the shared conversation prefix across the turns of an episode (the transformers engine
+keeps each episode's KV cache for the same purpose). What stays the same:
 token ids in, token ids and :class:`~lopd.rollout.engine.Generation` log-probs out, stopping at
 exactly ``stop_token_ids`` (vLLM's own eos handling is off), so rollouts line up with what the
 trainer scores.
