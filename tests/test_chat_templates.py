@@ -496,13 +496,14 @@ def test_prepare_bank_cold_start_and_one_lopd_step(family, tmp_path):
 def _episodes_both_ways(monkeypatch, tokenizer, policy_of, n=6):
     env = get_env("toolworld", seed=0, sizes=SIZES)
     tasks = env.tasks("train")[:n] * 2                         # a task opened twice: a group
-    runs, forms = [], {}
+    runs = []
     for fast in (True, False):
         monkeypatch.setattr(agent, "FAST_TEMPLATE", fast)
-        monkeypatch.setattr(agent, "_OPENINGS", agent.OrderedDict())
-        monkeypatch.setattr(agent, "_PIECE_FORMS", forms if fast else {})
+        monkeypatch.setattr(agent, "_TEMPLATE_MEMO", agent.weakref.WeakKeyDictionary())
         runs.append(agent.run_episodes(env, tasks, policy_of(), tokenizer, max_turns=8,
                                        max_new_tokens=96, batch_size=4))
+        if fast:
+            forms = agent._template_memo(tokenizer)["forms"]
     return (*runs, forms)
 
 

@@ -23,6 +23,7 @@ import json
 import random
 import re
 import string
+import weakref
 from abc import ABC, abstractmethod
 from collections import Counter, OrderedDict, deque
 from dataclasses import asdict, dataclass, replace
@@ -470,10 +471,18 @@ _SESSIONS = itertools.count()
 # per (template, tools, role) with stand-in contents and checked against a full rendering on each
 # episode's first tool message; a template that does not render the content verbatim (or whose
 # check fails once) is rendered in full at every turn. ``FAST_TEMPLATE = False`` always renders.
+# Both are kept per tokenizer object (and its template text): they hold its token ids.
 FAST_TEMPLATE = True
-_OPENINGS: OrderedDict = OrderedDict()
+_TEMPLATE_MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _OPENINGS_KEPT = 1024
-_PIECE_FORMS: dict = {}
+
+
+def _template_memo(tokenizer) -> dict:
+    """The tokenizer's remembered openings and piece forms (created on first use)."""
+    memo = _TEMPLATE_MEMO.get(tokenizer)
+    if memo is None:
+        memo = _TEMPLATE_MEMO[tokenizer] = {"openings": OrderedDict(), "forms": {}}
+    return memo
 _STAND_INS = ("\x00lopd-tool-content\x00", " \x00other \"tool\" content\x00\n")
 
 
@@ -490,20 +499,22 @@ class _EpisodeRun:
         self.turn_end_id = tokenizer.convert_tokens_to_ids(self.turn_end)
         self.messages = [dict(m) for m in episode.messages()]
         template = tokenizer.chat_template
-        self._template_key = (id(tokenizer), template if isinstance(template, str) else repr(template),
+        self._template_key = (template if isinstance(template, str) else repr(template),
                               json.dumps(self.task.tools, sort_keys=True))
+        memo = _template_memo(tokenizer)
+        openings, self._forms = memo["openings"], memo["forms"]
         self._forms_checked: set[str] = set()
         key = (*self._template_key, json.dumps(self.messages, sort_keys=True))
-        opening = _OPENINGS.get(key) if FAST_TEMPLATE else None
+        opening = openings.get(key) if FAST_TEMPLATE else None
         if opening is None:
             opening = (self._template(self.messages, add_generation_prompt=True, tokenize=True),
                        self._template(self.messages, add_generation_prompt=False, tokenize=True))
             if FAST_TEMPLATE:
-                _OPENINGS[key] = opening
-                while len(_OPENINGS) > _OPENINGS_KEPT:
-                    _OPENINGS.popitem(last=False)
+                openings[key] = opening
+                while len(openings) > _OPENINGS_KEPT:
+                    openings.popitem(last=False)
         else:
-            _OPENINGS.move_to_end(key)
+            openings.move_to_end(key)
         with_prompt, without = opening
         if with_prompt[:len(without)] != without:
             raise ValueError("the chat template's generation prompt does not extend the prompt's "
@@ -553,9 +564,9 @@ class _EpisodeRun:
         form = None
         if FAST_TEMPLATE and tool_message is not None:
             key = (*self._template_key, tool_message["role"])
-            if key not in _PIECE_FORMS:
-                _PIECE_FORMS[key] = self._piece_form(tool_message["role"])
-            form = _PIECE_FORMS[key]
+            if key not in self._forms:
+                self._forms[key] = self._piece_form(tool_message["role"])
+            form = self._forms[key]
         if form is not None and tool_message["role"] in self._forms_checked:
             text = form[0] + tool_message["content"] + form[1]
         else:
@@ -563,7 +574,7 @@ class _EpisodeRun:
             if form is not None:
                 self._forms_checked.add(tool_message["role"])
                 if text != form[0] + tool_message["content"] + form[1]:
-                    _PIECE_FORMS[key] = None
+                    self._forms[key] = None
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def fits_next_turn(self, max_new_tokens: int, max_length: int | None) -> bool:
