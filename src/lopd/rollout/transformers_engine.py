@@ -23,9 +23,9 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from lopd.latent import splice_embeddings
-from lopd.runtime import length_groups
 from lopd.models import IM_END, LATENT_TOKEN
 from lopd.rollout.engine import Generation, RolloutEngine, SamplingParams, check_prompts
+from lopd.runtime import length_groups
 
 
 def default_stop_token_ids(model, tokenizer) -> frozenset[int]:
