@@ -33,7 +33,7 @@ from lopd.algorithms import get_algorithm
 from lopd.algorithms.base import StepBatch
 from lopd.config import load_config
 from lopd.tables import format_table, write_json
-from lopd.trainer import Trainer, step_seed, tasks_for_step
+from lopd.trainer import Trainer, step_seed
 
 METHODS = ("grpo", "lopd", "sdft", "opsd", "sdpo", "skill_sd")
 PHASES = ("rollout", "before_step", "student_forward", "teacher", "composer", "anchor", "backward",
@@ -51,9 +51,7 @@ def one_step(trainer: Trainer, step: int) -> dict:
     cfg = trainer.cfg
     seed = step_seed(cfg.run.seed, step)
     runtime.set_seed(seed)
-    n_tasks = cfg.train.rollouts_per_step // trainer.algorithm.group_size
-    tasks = [t for t in tasks_for_step(trainer.train_tasks, cfg.run.seed, step, n_tasks)
-             for _ in range(trainer.algorithm.group_size)]
+    tasks = trainer.step_tasks(step)
     device = trainer.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

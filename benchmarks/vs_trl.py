@@ -19,9 +19,9 @@ them inside one), AdamW at ``train.learning_rate`` with ``train.max_grad_norm`` 
 schedule, no warm-up), fp32 on CPU, no gradient checkpointing.
 
 The prompts are single-turn and the same on both sides: step s takes the task groups lopd's
-trainer draws for step s (:func:`lopd.trainer.tasks_for_step`), each task's first-turn messages
-(system prompt with its tools, the user's request) rendered by the tokenizer's chat template with
-the generation prompt. lopd gets them through its own trainer with ``rollout.max_turns=1`` (one
+trainer draws for step s (:meth:`lopd.trainer.Trainer.step_tasks`), each task's first-turn
+messages (system prompt with its tools, the user's request) rendered by the tokenizer's chat
+template with the generation prompt. lopd gets them through its own trainer with ``rollout.max_turns=1`` (one
 assistant turn, then the episode ends); TRL gets the rendered text (a "standard" prompt, which its
 tokenizer call turns into the same ids: checked at start-up) in a dataset laid out in that order,
 not shuffled. The reward is the same on both sides, toolworld's verifier after that one turn: lopd's
@@ -98,7 +98,7 @@ from lopd.algorithms.base import StepBatch
 from lopd.config import load_config
 from lopd.rollout import SamplingParams, TransformersEngine
 from lopd.tables import format_table, write_json
-from lopd.trainer import Trainer, step_seed, tasks_for_step
+from lopd.trainer import Trainer, step_seed
 
 
 def clocks() -> tuple[float, float]:
@@ -112,22 +112,13 @@ def since(start: tuple[float, float]) -> dict[str, float]:
     return {"cpu_s": cpu - start[0], "wall_s": wall - start[1]}
 
 
-def step_tasks(trainer: Trainer, step: int) -> list:
-    """The tasks of ``step`` as lopd's trainer deals them: each task of the step's groups,
-    ``group_size`` times in a row."""
-    cfg, group = trainer.cfg, trainer.algorithm.group_size
-    return [t for t in tasks_for_step(trainer.train_tasks, cfg.run.seed, step,
-                                      cfg.train.rollouts_per_step // group)
-            for _ in range(group)]
-
-
 def lopd_step(trainer: Trainer, step: int) -> dict:
     """One GRPO step of lopd's trainer, as its loop runs it, without logging, evaluation or
     checkpoint: rollouts of the step's tasks, then ``algorithm.step``."""
     cfg = trainer.cfg
     seed = step_seed(cfg.run.seed, step)
     runtime.set_seed(seed)
-    tasks = step_tasks(trainer, step)
+    tasks = trainer.step_tasks(step)
     start = clocks()
     rollouts = trainer.rollouts(tasks, cfg.rollout.temperature, seed)
     generation = since(start)
@@ -189,7 +180,7 @@ def trl_trainer(cfg, trainer: Trainer, steps: int, out: Path, log: dict[str, lis
     env, tokenizer = trainer.env, trainer.ctx.tokenizer
     group = trainer.algorithm.group_size
     rows = [{"prompt": prompt_text(env, tokenizer, task), "task_id": task.task_id}
-            for step in range(1, steps + 1) for task in step_tasks(trainer, step)[::group]]
+            for step in range(1, steps + 1) for task in trainer.step_tasks(step)[::group]]
     tasks = trainer.ctx.train_tasks
     prompt_tokens = {row["task_id"]: len(tokenizer(row["prompt"])["input_ids"]) for row in rows}
     stops = {tokenizer.convert_tokens_to_ids(models.turn_end_token(tokenizer)),
@@ -355,7 +346,7 @@ def main() -> None:
         steps = interleaved_steps(cfg, trainer, args.steps, Path(tmp) / "trl")
         tokenizer = trainer.ctx.tokenizer
         prompt_sets = [[models.render(tokenizer, trainer.env.reset(t).messages(), t.tools,
-                                      add_generation_prompt=True) for t in step_tasks(trainer, s)]
+                                      add_generation_prompt=True) for t in trainer.step_tasks(s)]
                        for s in range(1, args.repeats + 2)]
         device = str(trainer.device)
     generation = engine_vs_generate(cfg, prompt_sets, args.repeats)

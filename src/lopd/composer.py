@@ -181,21 +181,14 @@ class Composer(nn.Module):
         if missing:
             ids = self.tokenizer([unique[i] for i in missing], truncation=True,
                                  max_length=self.spec.max_experience_tokens)["input_ids"]
-            device = self.base.device
-            pad = self.tokenizer.pad_token_id
             for group in length_groups([len(x) for x in ids]):
-                width = max(len(ids[g]) for g in group)
-                input_ids = torch.full((len(group), width), pad, dtype=torch.long)
-                mask = torch.zeros((len(group), width), dtype=torch.long)
-                for row, g in enumerate(group):
-                    input_ids[row, :len(ids[g])] = torch.tensor(ids[g])
-                    mask[row, :len(ids[g])] = 1
-                input_ids, mask = input_ids.to(device), mask.to(device)
+                batch = self.tokenizer.pad({"input_ids": [ids[g] for g in group]},
+                                           padding="longest", padding_side="right",
+                                           return_tensors="pt").to(self.base.device)
                 # The decoder stack alone: the encoding is the last hidden layer, no vocabulary
                 # logits.
-                states = self.base.get_decoder()(input_ids=input_ids,
-                                                 attention_mask=mask).last_hidden_state
-                z = compressor(states.to(compressor.queries.dtype), mask)
+                states = self.base.get_decoder()(**batch).last_hidden_state
+                z = compressor(states.to(compressor.queries.dtype), batch["attention_mask"])
                 z = z / z.norm(dim=-1, keepdim=True).clamp_min(1e-6) * self.target_norm
                 for row, g in enumerate(group):
                     latents[missing[g]] = z[row]
@@ -228,8 +221,8 @@ class Composer(nn.Module):
         self.encoder.set_adapter(self.ADAPTER)
         self.anchor_compressor = copy.deepcopy(self.compressor).requires_grad_(False)
         self._freeze_anchor_adapter()
-        entry_mb = self.spec.num_latents * self.target_norm.new_empty(0).element_size() * \
-            self.base.get_input_embeddings().weight.size(1) / 2**20
+        entry_mb = self.spec.num_latents * self.compressor.project.out_features * \
+            self.compressor.queries.element_size() / 2**20
         self._anchor_cache_entries = int(cache_mb / entry_mb)
         self._anchor_cache = OrderedDict() if self._anchor_cache_entries > 0 \
             and self.spec.lora_dropout == 0 else None

@@ -548,6 +548,14 @@ class Trainer:
 
     # -- the loop -----------------------------------------------------------------------------
 
+    def step_tasks(self, step: int) -> list[Task]:
+        """The tasks of ``step``, all processes' together: each task of the step's groups
+        ``group_size`` times in a row (the loop shards them over the processes)."""
+        group = self.algorithm.group_size
+        return [t for t in tasks_for_step(self.train_tasks, self.cfg.run.seed, step,
+                                          self.cfg.train.rollouts_per_step // group)
+                for _ in range(group)]
+
     def run(self) -> dict:
         from torch.utils.tensorboard import SummaryWriter
 
@@ -555,7 +563,6 @@ class Trainer:
         world = self.world
         writer = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=self.start_step + 1
                                if self.start_step else None) if world.is_main else None
-        n_tasks = cfg.train.rollouts_per_step // self.algorithm.group_size
         metrics_path = self.run_dir / METRICS_FILE
         if self.start_step == 0:
             record = {"step": 0, "generations": 0, **self.evaluate(0)}
@@ -566,10 +573,8 @@ class Trainer:
         for step in range(self.start_step + 1, cfg.train.max_steps + 1):
             seed = step_seed(cfg.run.seed, step)
             runtime.set_seed(seed)
-            tasks = [t for t in tasks_for_step(self.train_tasks, cfg.run.seed, step, n_tasks)
-                     for _ in range(self.algorithm.group_size)]
             # Each rank rolls out its contiguous share of the step's task groups.
-            tasks = world.shard(tasks)
+            tasks = world.shard(self.step_tasks(step))
             started = time.perf_counter()
             rollouts = self.rollouts(tasks, cfg.rollout.temperature,
                                      distributed.shard_seed(seed, world.rank))

@@ -226,9 +226,11 @@ HARNESS_IN_SANDBOX = "/lopd/sandbox_harness.py"
 
 @functools.lru_cache(maxsize=2)
 def _bwrap_prefix(bwrap: str) -> tuple[str, ...]:
-    """The bubblewrap command up to the interpreter (the same for every child, so made once). As root, the namespaces are made without a
-    user namespace and the harness drops to ``nobody`` itself: mapped into a user namespace, root
-    would stay the host's root, whom the process limit does not bind."""
+    """The bubblewrap command up to the interpreter (the same for every child, so made once).
+
+    As root, the namespaces are made without a user namespace and the harness drops to
+    ``nobody`` itself: mapped into a user namespace, root would stay the host's root, whom the
+    process limit does not bind."""
     if os.geteuid() == 0:
         namespaces = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
                       "--unshare-cgroup-try"]

@@ -108,7 +108,8 @@ class _KeptCache:
 class _BufferedLayer(DynamicLayer):
     """A decode cache layer whose keys and values live in buffers with room for the whole call:
     a step writes its position instead of copying the cache (as DynamicLayer's concatenation
-    does at every token)."""
+    does at every token). The capacity is the prompt width plus the call's ``max_new_tokens``,
+    which the decode loop never exceeds."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
         """``keys`` / ``values``: (batch, heads, capacity, head_dim) buffers whose first
@@ -116,7 +117,7 @@ class _BufferedLayer(DynamicLayer):
         super().__init__()
         self.key_buffer, self.value_buffer = keys, values
         self.length = length
-        self.device, self.dtype, self.is_initialized = keys.device, keys.dtype, True
+        self.device, self.is_initialized = keys.device, True
         self._views()
 
     def _views(self) -> None:
@@ -125,11 +126,6 @@ class _BufferedLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         stop = self.length + key_states.size(-2)
-        if stop > self.key_buffer.size(-2):
-            grow = stop - self.key_buffer.size(-2)
-            pad = (0, 0, 0, grow)
-            self.key_buffer = torch.nn.functional.pad(self.key_buffer, pad)
-            self.value_buffer = torch.nn.functional.pad(self.value_buffer, pad)
         self.key_buffer[:, :, self.length:stop] = key_states
         self.value_buffer[:, :, self.length:stop] = value_states
         self.length = stop
