@@ -193,3 +193,37 @@ def test_a_frozen_composer_builds_no_graph_and_no_anchor(inputs, tmp_path):
     assert scores.extras["anchor_latents"] is scores.extras["latents"]
     figures = alg.step(batch)
     assert figures["anchor"] == 0.0 and "composer/grad_norm" not in figures
+
+
+def test_the_release_preset_is_tiny_with_self_retrieval_and_a_static_bank(inputs, tmp_path):
+    """``lopd-release``: the tiny default with exactly the release's two retrieval choices; a step
+    under them reads a task's own stored success and leaves the bank as built."""
+    import dataclasses
+
+    from lopd.config import load_config
+    from lopd.experience import retrieve
+
+    def flat(node, prefix=""):
+        if not isinstance(node, dict):
+            return {prefix: node}
+        return {k: v for key, value in node.items() for k, v in flat(value, f"{prefix}.{key}").items()}
+
+    release, tiny = (flat(dataclasses.asdict(load_config(name))) for name in ("lopd-release", "tiny"))
+    differ = {key for key in tiny if release[key] != tiny[key]}
+    assert set(release) == set(tiny)
+    assert differ == {".bank.allow_self_retrieval", ".methods.lopd.add_successes"}
+    assert release[".bank.allow_self_retrieval"] is True
+    assert release[".methods.lopd.add_successes"] is False
+    t = build(inputs, tmp_path / "run", **{"bank.allow_self_retrieval": True,
+                                           "lopd.add_successes": False})
+    alg = t.algorithm
+    batch = one_batch(t)
+    size = len(alg.bank)
+    context = alg.before_step(batch)["teacher_context"]
+    own = [[h.entry.trace for h in hits]
+           for hits in retrieve(alg.bank, batch.rollouts, alg.n_ret, leave_one_out=False)]
+    others = [[h.entry.trace for h in hits]
+              for hits in retrieve(alg.bank, batch.rollouts, alg.n_ret, leave_one_out=True)]
+    assert context == own and context != others
+    figures = alg.step(batch)
+    assert figures["bank/added"] == 0 and len(alg.bank) == size

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import junk_and_gold_batch, lopd_config, make_lopd_inputs
-from lopd import models, trainer
+from lopd import losses, models, trainer
 from lopd.algorithms import get_algorithm
 from lopd.algorithms.base import StepBatch, Totals, micro_batches
 from lopd.composer import Composer
@@ -30,15 +30,22 @@ def inputs(tmp_path_factory):
 # Plain references: one sequence at a time, the model's own forward, no lopd scoring code
 
 
-def plain_action_logprobs(model, ids, mask, inputs_embeds=None):
-    """(n,) log-probs of the tokens at ``mask == 1`` of one sequence under ``model``'s forward."""
+def plain_action_rows(model, ids, mask, inputs_embeds=None):
+    """(n, V) log-softmax rows predicting the tokens at ``mask == 1`` of one sequence under
+    ``model``'s forward."""
     ids = torch.tensor([ids])
     if inputs_embeds is None:
         logits = model(input_ids=ids).logits
     else:
         logits = model(inputs_embeds=inputs_embeds).logits
-    logp = logits[0, :-1].float().log_softmax(-1).gather(-1, ids[0, 1:, None]).squeeze(-1)
-    return logp[torch.tensor(mask[1:], dtype=torch.bool)]
+    return logits[0, :-1].float().log_softmax(-1)[torch.tensor(mask[1:], dtype=torch.bool)]
+
+
+def plain_action_logprobs(model, ids, mask, inputs_embeds=None):
+    """(n,) log-probs of the tokens at ``mask == 1`` of one sequence under ``model``'s forward."""
+    rows = plain_action_rows(model, ids, mask, inputs_embeds)
+    targets = torch.tensor(ids[1:])[torch.tensor(mask[1:], dtype=torch.bool)]
+    return rows.gather(-1, targets[:, None]).squeeze(-1)
 
 
 def with_block(rollout, block, fmt):
@@ -49,14 +56,21 @@ def with_block(rollout, block, fmt):
             [*rollout.action_mask[:at], *[0] * len(block), *rollout.action_mask[at:]])
 
 
-def plain_teacher_logprobs(base, fmt, rollout, z):
-    """The teacher's action log-probs for one rollout, by hand: ``z`` (n, d) written over the n
-    sentinel rows of the token embeddings, then the base's forward."""
+def plain_teacher_inputs(base, fmt, rollout, z):
+    """The teacher's ids, action mask and input embeddings for one rollout, by hand: ``z`` (n, d)
+    written over the n sentinel rows of the token embeddings."""
     ids, mask = with_block(rollout, fmt.latent_block(z.size(0)), fmt)
     embeds = base.get_input_embeddings()(torch.tensor([ids])).clone()
     sentinels = torch.tensor(ids) == fmt.latent_id
     assert int(sentinels.sum()) == z.size(0)
     embeds[0, sentinels] = z.to(embeds.dtype)
+    return ids, mask, embeds
+
+
+def plain_teacher_logprobs(base, fmt, rollout, z):
+    """The teacher's action log-probs for one rollout, by hand (the base's forward over
+    :func:`plain_teacher_inputs`)."""
+    ids, mask, embeds = plain_teacher_inputs(base, fmt, rollout, z)
     return plain_action_logprobs(base, ids, mask, inputs_embeds=embeds)
 
 
@@ -124,39 +138,106 @@ def margin_weights(name, rollouts):
     return (r - r.mean()) / (r.std(unbiased=False) + 1e-4)
 
 
-@pytest.mark.parametrize("weight", ["signed_reward", "success", "advantage"])
-def test_delta_equals_a_hand_computation_from_plain_forward_passes(inputs, tmp_path, weight):
-    t = build(inputs, tmp_path / "run", **{"lopd.add_successes": False,
-                                           "lopd.margin_weight": weight})
-    # A random-init student: the teacher is far ahead (Δ of several nats), so every term counts.
+def lopd_batch_with_a_silent_rollout(inputs, tmp_path, **sets):
+    """A LOPD trainer whose student is random-init (the teacher is far ahead: Δ of several nats, so
+    every term counts) and a step of two junk/gold pairs plus a fifth rollout without action
+    tokens, which every mean over rollouts leaves out."""
+    t = build(inputs, tmp_path / "run", **{"lopd.add_successes": False, **sets})
     t.ctx.student.load_state_dict(models.build_model(t.ctx.tokenizer, "qwen3-1m",
                                                      seed=1).state_dict())
     batch = junk_and_gold_batch(t, 2)
-    # A fifth rollout without action tokens: it is left out of the mean over rollouts.
     first = batch.rollouts[0]
     silent = dataclasses.replace(first, action_mask=[0] * len(first.input_ids))
-    batch = StepBatch(1, [*batch.tasks, batch.tasks[0]], [*batch.rollouts, silent])
-    rollouts = batch.rollouts
+    return t, StepBatch(1, [*batch.tasks, batch.tasks[0]], [*batch.rollouts, silent])
+
+
+def per_rollout_by_hand(t, rollouts):
+    """Per rollout with action tokens, from plain forward passes: (index, token mean of the gap
+    log π_T(a) − log π_S(a), action tokens n, token mean of KL(p̃_S ‖ p̃_T) over the teacher's
+    top-M + tail)."""
     alg = t.algorithm
     traces = retrieve_traces(alg.bank, rollouts, alg.n_ret)
-    gaps = []
+    found = []
     with torch.no_grad():
-        for rollout, found in zip(rollouts, traces):
+        for i, (rollout, refs) in enumerate(zip(rollouts, traces)):
             if not any(rollout.action_mask):
-                gaps.append(None)
                 continue
-            z = alg.composer.encode([rollout.instruction], [found])[0]
+            z = alg.composer.encode([rollout.instruction], [refs])[0]
             with alg.composer.teacher() as base:
-                teacher = plain_teacher_logprobs(base, alg.fmt, rollout, z)
-            student = plain_action_logprobs(t.ctx.student, rollout.input_ids, rollout.action_mask)
-            gaps.append((teacher - student).double().mean())
+                ids, mask, embeds = plain_teacher_inputs(base, alg.fmt, rollout, z)
+                teacher_rows = plain_action_rows(base, ids, mask, inputs_embeds=embeds)
+            student_rows = plain_action_rows(t.ctx.student, rollout.input_ids, rollout.action_mask)
+            targets = torch.tensor(rollout.input_ids[1:])[
+                torch.tensor(rollout.action_mask[1:], dtype=torch.bool)][:, None]
+            gap = (teacher_rows.gather(-1, targets) - student_rows.gather(-1, targets)).double()
+            kl = losses.reverse_kl_top_m(student_rows, teacher_rows, alg.spec.top_m).double()
+            found.append((i, gap.mean(), len(targets), kl.mean()))
+    return found
+
+
+@pytest.mark.parametrize("weight", ["signed_reward", "success", "advantage"])
+def test_delta_equals_a_hand_computation_from_plain_forward_passes(inputs, tmp_path, weight):
+    t, batch = lopd_batch_with_a_silent_rollout(inputs, tmp_path,
+                                                **{"lopd.margin_weight": weight})
+    rollouts = batch.rollouts
+    hand = per_rollout_by_hand(t, rollouts)
     w = margin_weights(weight, rollouts)
-    acting = [i for i, g in enumerate(gaps) if g is not None]
-    expected = sum(w[i] * gaps[i] for i in acting) / len(acting)
-    unweighted = sum(gaps[i] for i in acting) / len(acting)
-    assert len(acting) == 4 and abs(expected) > 0.1 and abs(expected - unweighted) > 0.1
-    figures = alg.step(batch)
+    expected = sum(w[i] * gap for i, gap, _, _ in hand) / len(hand)
+    unweighted = sum(gap for _, gap, _, _ in hand) / len(hand)
+    assert len(hand) == 4 and abs(expected) > 0.1 and abs(expected - unweighted) > 0.1
+    figures = t.algorithm.step(batch)
     assert figures["delta"] == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_the_dual_update_weights_delta_by_tokens_and_kl_phi_averages_rollout_means(inputs,
+                                                                                     tmp_path):
+    """The release's reductions: β moves by Δ̄ = Σ w_i·Δ_i·n_i / Σ n_i (not by the rollout mean Δ
+    of the loss), and KL_φ is the mean over rollouts of each rollout's token mean (while the
+    student's KL stays one token mean)."""
+    t, batch = lopd_batch_with_a_silent_rollout(inputs, tmp_path, **{"lopd.dual_init": 0.7})
+    rollouts = batch.rollouts
+    hand = per_rollout_by_hand(t, rollouts)
+    w = margin_weights("signed_reward", rollouts)
+    tokens = sum(n for _, _, n, _ in hand)
+    delta_tokens = sum(w[i] * gap * n for i, gap, n, _ in hand) / tokens
+    delta_rollouts = sum(w[i] * gap for i, gap, _, _ in hand) / len(hand)
+    kl_phi = sum(kl for *_, kl in hand) / len(hand)
+    kl_student = sum(kl * n for _, _, n, kl in hand) / tokens
+    assert abs(delta_tokens - delta_rollouts) > 0.05 and abs(kl_phi - kl_student) > 1e-3
+    spec = t.algorithm.spec
+    figures = t.algorithm.step(batch)
+    assert figures["beta"] == 0.7
+    assert figures["beta_next"] == pytest.approx(
+        max(0.0, 0.7 + spec.dual_lr * (spec.margin - float(delta_tokens))), rel=1e-5)
+    assert figures["kl_composer"] == pytest.approx(float(kl_phi), rel=1e-4)
+    assert figures["kl"] == pytest.approx(float(kl_student), rel=1e-4)
+    assert figures["delta"] == pytest.approx(float(delta_rollouts), rel=1e-5)
+    assert figures["delta_tokens"] == pytest.approx(float(delta_tokens), rel=1e-5)
+
+
+def test_a_skipped_student_update_skips_the_composer_update_and_the_dual_update(inputs,
+                                                                                tmp_path):
+    """An infinite student gradient (finite loss) skips the student's update; the composer's
+    gradient is finite, yet φ, its optimiser and β stay as they were (the release gates both on
+    the student's update), and the next good step moves all three."""
+    t = build(inputs, tmp_path / "run", **{"lopd.dual_init": 0.7, "lopd.add_successes": False,
+                                           "lopd.composer_learning_rate": 1e-3})
+    alg = t.algorithm
+    batch = junk_and_gold_batch(t, 2)
+    student_param = next(p for p in t.ctx.student.parameters() if p.requires_grad)
+    hook = student_param.register_hook(lambda g: g * float("inf"))
+    phi = {n: p.detach().clone() for n, p in alg.composer.named_parameters() if p.requires_grad}
+    figures = alg.step(batch)
+    assert figures["student/skipped_updates"] == 1 and figures["composer/skipped_updates"] == 1
+    assert torch.isfinite(torch.tensor(figures["composer/grad_norm"]))
+    assert figures["beta_next"] == 0.7 and alg.beta == 0.7
+    assert all(torch.equal(v, dict(alg.composer.named_parameters())[n]) for n, v in phi.items())
+    assert not alg.composer_updater.optimizer.state
+    hook.remove()
+    figures = alg.step(batch)
+    assert figures["student/skipped_updates"] == 1 and figures["composer/skipped_updates"] == 1
+    assert figures["beta_next"] != 0.7
+    assert any(not torch.equal(v, dict(alg.composer.named_parameters())[n]) for n, v in phi.items())
 
 
 # ----------------------------------------------------------------------------------------------

@@ -118,16 +118,22 @@ class Updater:
     :meth:`finish` clips and steps.
 
     An update whose loss or gradient norm is not finite is skipped (weights and optimiser state
-    untouched) and counted in :attr:`skipped`.
+    untouched) and counted in :attr:`skipped`. An updater with a ``gate`` (another updater of the
+    same step) is also skipped when its gate's update of the step was: LOPD's composer follows the
+    student, whose skipped update leaves no consistent student side for the composer's loss.
     """
 
-    def __init__(self, params, learning_rate: float, max_grad_norm: float, weight_decay: float = 0.0):
+    def __init__(self, params, learning_rate: float, max_grad_norm: float, weight_decay: float = 0.0,
+                 gate: Updater | None = None):
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("nothing to optimise: no parameter requires a gradient")
         self.optimizer = torch.optim.AdamW(self.params, lr=learning_rate, weight_decay=weight_decay)
         self.max_grad_norm = max_grad_norm
+        self.gate = gate
         self.skipped = 0
+        self.last_skipped = False
+        """Whether the latest :meth:`finish` skipped its update."""
         self.wrapped = False
         """True when a DDP / FSDP2 wrapper synchronises these gradients in backward; otherwise the
         distributed step sums them over ranks itself (:meth:`lopd.distributed.World.sum_grads`)."""
@@ -144,7 +150,9 @@ class Updater:
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
         if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
             norm = norm.full_tensor()
-        if not (torch.isfinite(norm) and torch.isfinite(torch.tensor(loss))):
+        gated = self.gate is not None and self.gate.last_skipped
+        self.last_skipped = gated or not (torch.isfinite(norm) and torch.isfinite(torch.tensor(loss)))
+        if self.last_skipped:
             self.zero_grad()
             self.skipped += 1
             return {"grad_norm": float(norm), "skipped": 1.0}
@@ -307,7 +315,8 @@ class SharedStep:
                 if not updater.wrapped:
                     world.sum_grads(updater.params)
         figures = dict(metrics)
-        for name, updater in updaters.items():
+        # Gated updaters finish after the others: their gate's verdict on this step must be in.
+        for name, updater in sorted(updaters.items(), key=lambda item: item[1].gate is not None):
             result = updater.finish(loss_values[name])
             figures[f"{name}/grad_norm"] = result["grad_norm"]
             figures[f"{name}/skipped_updates"] = updater.skipped

@@ -15,17 +15,26 @@ One step (DESIGN §2–3), for the student's rollouts of the step:
    reward advantage over the step's batch);
 6. dual update β ← max(0, β + η_β (m − Δ̄)); successful rollouts join the bank.
 
+Reductions, as the paper's release computes them:
+
+* The student's KL is one mean over the step's action tokens. KL_φ is a mean over rollouts of each
+  rollout's token mean; Δ in the composer's loss is a mean over rollouts of w(r)·(token mean of the
+  gap). Δ̄ in the dual update weights each rollout's signed gap by its action tokens,
+  Σ w_i·Δ_i·n_i / Σ n_i (logged as ``delta_tokens``, beside the rollout mean ``delta``). Rollouts
+  without action tokens are left out of every mean. All are measured before the updates.
+* A student update skipped as non-finite skips the composer's update and the dual update of that
+  step too (the composer's :class:`~lopd.algorithms.base.Updater` is gated on the student's).
+
 Interpretations (the spec leaves these open):
 
-* Δ̄ in the dual update is the Δ of the step's batch, measured before the updates.
 * Both log π_S in Δ and the student side of KL_φ come from the student's forward pass of this step
   (the weights that sampled the rollouts), not from the sampler's stored log-probs: they are the same
   policy, and the forward pass keeps both sides on identical numerics.
 * The student and composer updates use the logits of the same forward passes (one teacher pass, one
   student pass per micro-batch); their graphs share no parameter, so one backward fills both
   optimisers' gradients and the two steps are independent.
-* Δ, KL_φ and the anchor are means over the whole step (rollouts, action tokens, latents), so each
-  micro-batch contributes its share and the accumulated update equals the one-pass update. The
+* Every figure is a share of a whole-step figure (the step's rollouts, action tokens, latents), so
+  each micro-batch contributes its share and the accumulated update equals the one-pass update. The
   ``advantage`` weight normalises over the whole step's rewards (all processes), for the same reason.
 * In a validation-mode run (``train.eval_split=validation``) the run's bank withholds the
   validation tasks (:meth:`lopd.experience.ExperienceBank.withhold`): their entries, present in a
@@ -33,6 +42,15 @@ Interpretations (the spec leaves these open):
   retrieved entries belong to a validation task (``retrieval/validation_hits``, 0 by construction).
 * The rollouts sampled to build the bank and, if the cold start sampled any, the composer are this
   method's setup cost (:meth:`LOPD.setup_rollouts`), charged in every evaluation record.
+
+Retrieval differs from the release by default. lopd retrieves leave-one-out (a task never reads
+its own stored successes: ``bank.allow_self_retrieval: false``) and adds each step's successes to
+the run's bank (``lopd.add_successes: true``); the release lets a task retrieve its own entries
+and keeps the bank static during training (offline retrieval). lopd's defaults keep a rollout's
+privileged context from being its own earlier solution of the same task, which would turn the
+margin into a memorisation signal; the preset ``lopd-release`` (``--config lopd-release``, the
+tiny default with the release's two choices; on another preset ``--set
+bank.allow_self_retrieval=true --set lopd.add_successes=false``) reproduces the release.
 """
 
 from __future__ import annotations
@@ -165,9 +183,11 @@ class LOPD(Algorithm):
         self.teacher = LatentContext(self.composer, self.fmt, anchor=True,
                                      trained=self.spec.update_composer)
         self.n_ret = cfg.bank.n_ret
+        # A student update skipped as non-finite skips the composer's too (the release's gate).
         self.composer_updater = Updater(self.composer.trainable_parameters(),
                                         self.spec.composer_learning_rate,
-                                        self.spec.composer_max_grad_norm)
+                                        self.spec.composer_max_grad_norm,
+                                        gate=ctx.student_updater)
         self.beta = self.spec.dual_init
 
     # -- one step -----------------------------------------------------------------------------
@@ -217,11 +237,21 @@ class LOPD(Algorithm):
         kl_student, kl_composer, gap_tokens = per_token(terms, scores.student, scores.teacher)
         tokens = totals.action_tokens
         share = len(micro.rollouts) / totals.rollouts
+        acting = max(1, totals.rollouts_with_actions)
+        # The student's KL: one mean over the step's action tokens.
         loss_student = kl_student.sum() / tokens
-        gap, counts = losses.per_row_mean(gap_tokens, scores.teacher.rows, len(micro.rollouts))
+        rows, n_rows = scores.teacher.rows, len(micro.rollouts)
+        gap, counts = losses.per_row_mean(gap_tokens, rows, n_rows)
         weights = micro.take(state["margin_weights"]).to(gap.dtype)
-        delta = (weights * gap * (counts > 0)).sum() / max(1, totals.rollouts_with_actions)
-        composer_kl = kl_composer.sum() / tokens
+        signed = weights * gap * (counts > 0)
+        # Δ in the loss: a mean over rollouts; Δ̄ for β: the same rollouts weighted by their action
+        # tokens (Σ Δᵢ·nᵢ / Σ nᵢ), as the release's composer phase computes both.
+        delta = signed.sum() / acting
+        delta_tokens = (signed * counts).sum() / max(1, tokens)
+        # KL_φ: a mean over rollouts of each rollout's token mean (the release's), unlike the
+        # student's global token mean.
+        composer_kl = (losses.per_row_mean(kl_composer, rows, n_rows)[0] * (counts > 0)).sum() \
+            / acting
         anchor = losses.anchor_loss(scores.extras["latents"], scores.extras["anchor_latents"]) * share
         loss_composer = (composer_kl + self.beta * (spec.margin * share - delta)
                          + spec.anchor_weight * anchor)
@@ -230,14 +260,17 @@ class LOPD(Algorithm):
             trained["composer"] = loss_composer
         return LossTerms(trained,
                          {"kl": loss_student.detach(), "kl_composer": composer_kl.detach(),
-                          "delta": delta.detach(), "anchor": anchor.detach(),
+                          "delta": delta.detach(), "delta_tokens": delta_tokens.detach(),
+                          "anchor": anchor.detach(),
                           "loss_composer": loss_composer.detach()})
 
     def after_update(self, batch: StepBatch, state: dict, figures: dict) -> dict:
         spec = self.spec
         beta_used = self.beta
-        if spec.update_composer:
-            self.beta = losses.dual_update(self.beta, spec.margin, figures["delta"], spec.dual_lr)
+        # β stays where it was when the student's update was skipped (the release's gate).
+        if spec.update_composer and not self.ctx.student_updater.last_skipped:
+            self.beta = losses.dual_update(self.beta, spec.margin, figures["delta_tokens"],
+                                           spec.dual_lr)
         added = 0
         if spec.add_successes:
             # Every rank adds the successes of the whole step, in rank order (= one process's order).
