@@ -13,7 +13,8 @@ float32) and take their settings from the same lopd config (``--config``, ``--se
 ``train.rollouts_per_step`` completions per step (32) in groups of ``grpo.num_generations`` (4),
 ``rollout.max_completion_length`` tokens at most (96), temperature / top-p / top-k of the rollout
 section (1, 1, off), ``grpo.loss_type`` ('dapo' on both), ``grpo.epsilon`` / ``epsilon_high``,
-``grpo.scale_rewards``, ``grpo.beta`` (0: no reference model on either side), one iteration
+``grpo.scale_rewards`` (by the sample std on both: ``grpo.std`` must be 'sample', the only std TRL
+has), ``grpo.beta`` (0: no reference model on either side), one iteration
 (``grpo.num_iterations`` must be 1: TRL spreads several over several optimiser steps, lopd makes
 them inside one), AdamW at ``train.learning_rate`` with ``train.max_grad_norm`` (TRL: constant
 schedule, no warm-up), fp32 on CPU, no gradient checkpointing.
@@ -74,8 +75,7 @@ Differences that remain between the two setups of (a):
 * TRL's trainer loop estimates FLOPs and counts input tokens per step and runs its callbacks; lopd
   zeroes the gradient rows of ``<|latent|>`` (a hook on the embedding; the student loss never trains
   that token) and skips an update whose loss or gradient norm is not finite.
-* Group rewards are normalised by the population std + 1e-4 in lopd, by the sample std + 1e-4 in
-  TRL; TRL's 'dapo' loss divides by the batch's completion tokens, lopd's by its action tokens (the
+* TRL's 'dapo' loss divides by the batch's completion tokens, lopd's by its action tokens (the
   same tokens here: one turn, its end-of-turn token included on both sides).
 * The samples differ (different random streams), so completion lengths and rewards differ from
   step to step; their means are in the table.
@@ -337,6 +337,8 @@ def main() -> None:
     if cfg.grpo.num_iterations != 1:
         parser.error("grpo.num_iterations must be 1: TRL spreads several iterations over several "
                      "optimiser steps, lopd makes them within one step")
+    if cfg.grpo.std != "sample":
+        parser.error("grpo.std must be 'sample': TRL divides group rewards by the sample std")
     runtime.set_threads(cfg.run.num_threads)
     import transformers
     import trl

@@ -1,6 +1,7 @@
-"""GRPO's knobs: the two loss averages and the three reward scalings against hand-computed numbers,
-micro-batched steps equal to one-pass steps for each loss type, and the refusal of training
-rollouts sampled from another policy than the one the loss scores."""
+"""GRPO's knobs: the two loss averages, the three reward scalings and the two stds against
+hand-computed numbers, the clip fractions (low, high) by hand, micro-batched steps equal to one-pass
+steps for each loss type, and the refusal of training rollouts sampled from another policy than
+the one the loss scores."""
 
 import dataclasses
 import itertools
@@ -9,6 +10,7 @@ import math
 import pytest
 import torch
 
+from conftest import small_config
 from lopd import losses
 from lopd.algorithms.base import MicroBatch, Scores, Totals
 from lopd.algorithms.grpo import GRPO, GRPOConfig
@@ -40,10 +42,10 @@ def grpo_with(**spec):
     return algo
 
 
-# Two rollouts of one task, rewards 1 and 0: advantages ±a. Rollout 0 has 2 action tokens, rollout 1
-# has 3. Their ratios π/π_old (as on a later pass, μ > 1) are chosen so that the clip (0.2) acts on
-# one token of each rollout.
-A = 0.5 / (0.5 + EPS)
+# Two rollouts of one task, rewards 1 and 0: advantages ±a (the sample std of 1 and 0 is √0.5).
+# Rollout 0 has 2 action tokens, rollout 1 has 3. Their ratios π/π_old (as on a later pass, μ > 1)
+# are chosen so that the clip (0.2) acts on one token of each rollout.
+A = 0.5 / (math.sqrt(0.5) + EPS)
 RATIOS = [1.0, 1.5, 1.0, 0.5, 1.1]
 ROWS = [0, 0, 1, 1, 1]
 # −min(ρA, clip(ρ, 0.8, 1.2)·A) by hand: A > 0 at ρ = 1.5 takes 1.2·A (no gradient); A < 0 at
@@ -108,10 +110,10 @@ REWARDS = [1.0, 0.0, 0.5, 1.0]   # two groups of two
 def test_scale_rewards_group_batch_none_hand_computed():
     rewards = torch.tensor(REWARDS)
     centred = [0.5, -0.5, -0.25, 0.25]   # minus the group means 0.5 and 0.75
-    group_std = [0.5, 0.5, 0.25, 0.25]
+    group_std = [math.sqrt(0.5)] * 2 + [math.sqrt(0.125)] * 2   # sample stds: Σ dev² / (2 - 1)
     mean = sum(REWARDS) / 4
-    batch_std = math.sqrt(sum((r - mean) ** 2 for r in REWARDS) / 4)
-    assert batch_std == pytest.approx(math.sqrt(0.171875))
+    batch_std = math.sqrt(sum((r - mean) ** 2 for r in REWARDS) / 3)
+    assert batch_std == pytest.approx(math.sqrt(0.6875 / 3))
     cases = {"group": [c / (s + EPS) for c, s in zip(centred, group_std)],
              "batch": [c / (batch_std + EPS) for c in centred],
              "none": centred}
@@ -122,6 +124,56 @@ def test_scale_rewards_group_batch_none_hand_computed():
         rewards, 2, scale_rewards="group"))
     with pytest.raises(ValueError, match="'group', 'batch' or 'none'"):
         losses.group_advantages(rewards, 2, scale_rewards="true")
+
+
+def test_the_group_std_is_the_sample_std_unless_population_is_asked_for():
+    # G = 4, rewards (1, 0, 0, 0): mean 1/4, deviations (3/4, -1/4, -1/4, -1/4), Σ dev² = 3/4;
+    # sample std sqrt(3/4 / 3) = 1/2 (TRL's), population std sqrt(3/4 / 4) = √3/4.
+    batch = type("Batch", (), {"rewards": torch.tensor([1.0, 0.0, 0.0, 0.0])})()
+    for spec, spread in (({}, 0.5), ({"std": "sample"}, 0.5),
+                         ({"std": "population"}, math.sqrt(3) / 4)):
+        state = grpo_with(num_generations=4, **spec).before_step(batch)
+        want = [d / (spread + EPS) for d in (0.75, -0.25, -0.25, -0.25)]
+        assert state["advantages"].tolist() == pytest.approx(want, rel=1e-6), spec
+    # 'batch' divides by the same std of the whole step: rewards (1, 0, 0, 0, 1, 1, 0, 0), mean
+    # 3/8, Σ dev² = 3 · (5/8)² + 5 · (3/8)² = 15/8.
+    batch = type("Batch", (), {"rewards": torch.tensor([1.0, 0, 0, 0, 1, 1, 0, 0])})()
+    centred = [0.75, -0.25, -0.25, -0.25, 0.5, 0.5, -0.5, -0.5]
+    for std, n in (("sample", 7), ("population", 8)):
+        algo = grpo_with(num_generations=4, scale_rewards="batch", std=std)
+        want = [c / (math.sqrt(15 / 8 / n) + EPS) for c in centred]
+        assert algo.before_step(batch)["advantages"].tolist() == pytest.approx(want, rel=1e-6)
+    with pytest.raises(ConfigError, match="grpo.std"):
+        small_config(**{"grpo.std": "unbiased"})
+
+
+def test_groups_without_signal_counts_groups_of_equal_rewards():
+    for size, rewards, share in ((4, [1.0, 0, 0, 0, 0.5, 0.5, 0.5, 0.5], 0.5),
+                                 (2, [1.0, 1.0, 0.0, 0.0, 0.0, 1.0], 2 / 3),
+                                 (1, [1.0, 0.0], 1.0)):
+        algo = grpo_with(num_generations=size)
+        batch = type("Batch", (), {"rewards": torch.tensor(rewards)})()
+        state = algo.before_step(batch)
+        assert not state["advantages"].isnan().any()
+        assert algo.after_update(batch, state, {})["groups_without_signal"] == pytest.approx(share)
+
+
+def test_clip_fractions_low_and_high_follow_the_advantages_sign():
+    # ε_lo = 0.2, ε_hi = 0.28. Rollout 0 (A > 0): 1.5 is clipped high, 1.25 is inside, 0.5 is below
+    # the range but A > 0 takes the unclipped term. Rollout 1 (A < 0): 0.5 and 0.79 are clipped
+    # low, 1.5 is above but unclipped. Rollout 2 (A = 0): nothing is clipped.
+    algo = grpo_with(num_generations=3, epsilon=0.2, epsilon_high=0.28)
+    ratios = [1.5, 1.25, 0.5, 0.5, 0.79, 1.5, 0.5, 1.5]
+    rows = [0, 0, 0, 1, 1, 1, 2, 2]
+    state = {"advantages": torch.tensor([1.0, -1.0, 0.0]), "old": {0: torch.zeros(8)}}
+    logprobs = torch.log(torch.tensor(ratios))
+    terms = algo.loss(MicroBatch(0, [0, 1, 2], [None] * 3),
+                      Scores(FixedScores(logprobs, rows), None), state,
+                      Totals(action_tokens=8, rollouts=3, rollouts_with_actions=3))
+    metrics = {k: float(v) for k, v in terms.metrics.items()}
+    assert metrics["clip_fraction/low"] == pytest.approx(2 / 8)
+    assert metrics["clip_fraction/high"] == pytest.approx(1 / 8)
+    assert metrics["clip_fraction"] == pytest.approx(3 / 8)   # the sum, TRL's region mean
 
 
 class TwoRanks:
@@ -163,7 +215,8 @@ def test_micro_batched_step_equals_the_one_pass_step(inputs, tmp_path, sets):  #
     parts, f_parts = run_step(inputs, tmp_path / "parts", "grpo", 4, batch_of, **sets)
     assert f_whole["micro_batches"] == 1 and f_parts["micro_batches"] == 2
     assert f_whole["loss"] != 0
-    for key in ("loss", "kl_ref", "clip_fraction", "student/grad_norm", "advantage_abs"):
+    for key in ("loss", "kl_ref", "clip_fraction", "clip_fraction/low", "clip_fraction/high",
+                "student/grad_norm", "advantage_abs"):
         assert f_parts[key] == pytest.approx(f_whole[key], rel=0, abs=1e-6), key
     assert_same(snapshot(whole.ctx.student.parameters()), snapshot(parts.ctx.student.parameters()),
                 "student")

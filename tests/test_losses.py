@@ -128,12 +128,21 @@ def test_anchor_loss_and_dual_update():
 
 def test_group_advantages_hand_computed():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5])
-    adv = losses.group_advantages(rewards, 4)
-    # Group 1: mean 0.5, population std 0.5 -> +-0.5 / (0.5 + 1e-4). Group 2: identical -> 0.
-    one = 0.5 / (0.5 + 1e-4)
-    assert torch.allclose(adv, torch.tensor([one, -one, -one, one, 0.0, 0.0, 0.0, 0.0]))
+    # Group 1: mean 0.5, squared deviations 4 · 0.25: sample std sqrt(1 / 3) (the default, TRL's),
+    # population std sqrt(1 / 4) = 0.5 -> +-0.5 / (std + 1e-4). Group 2: identical -> 0.
+    for std, spread in (("sample", math.sqrt(1 / 3)), ("population", 0.5)):
+        one = 0.5 / (spread + 1e-4)
+        want = torch.tensor([one, -one, -one, one, 0.0, 0.0, 0.0, 0.0])
+        assert torch.allclose(losses.group_advantages(rewards, 4, std=std), want), std
+    assert torch.equal(losses.group_advantages(rewards, 4),
+                       losses.group_advantages(rewards, 4, std="sample"))
+    # One rollout per group: its sample std is taken as 0 (TRL's), so the advantage is 0, not NaN.
+    assert losses.group_advantages(rewards, 1).tolist() == [0.0] * 8
+    assert losses.group_advantages(rewards[:1], 1, scale_rewards="batch").tolist() == [0.0]
     with pytest.raises(ValueError, match="groups of 3"):
         losses.group_advantages(rewards, 3)
+    with pytest.raises(ValueError, match="'sample' or 'population'"):
+        losses.group_advantages(rewards, 4, std="unbiased")
 
 
 def test_ppo_clip_inside_and_outside_the_range():
@@ -149,6 +158,22 @@ def test_ppo_clip_inside_and_outside_the_range():
     losses.ppo_clip(live, old, adv, 0.2, 0.2).sum().backward()
     # Clipped terms give no gradient.
     assert live.grad[1] == 0 and live.grad[3] == 0 and live.grad[0] != 0 and live.grad[2] != 0
+
+
+def test_ppo_clipped_counts_a_clip_only_where_it_binds():
+    # (ratio, advantage), ε_lo = 0.2, ε_hi = 0.28: the clip binds (no gradient) below 0.8 with
+    # A < 0 (low) and above 1.28 with A > 0 (high), TRL's clip_ratio/low and /high.
+    cases = [(0.5, -1.0, "low"), (0.79, -2.0, "low"), (0.5, 1.0, None), (0.79, 0.0, None),
+             (1.5, 1.0, "high"), (1.29, 0.5, "high"), (1.25, 1.0, None), (1.5, -1.0, None),
+             (1.5, 0.0, None), (1.0, 1.0, None), (0.85, -1.0, None)]
+    new = torch.log(torch.tensor([r for r, _, _ in cases])).requires_grad_(True)
+    adv = torch.tensor([a for _, a, _ in cases])
+    low, high = losses.ppo_clipped(new, torch.zeros(len(cases)), adv, 0.2, 0.28)
+    assert low.tolist() == [side == "low" for _, _, side in cases]
+    assert high.tolist() == [side == "high" for _, _, side in cases]
+    # Exactly the tokens whose PPO-clip gradient is 0 while their advantage is not.
+    losses.ppo_clip(new, torch.zeros(len(cases)), adv, 0.2, 0.28).sum().backward()
+    assert ((new.grad == 0) & (adv != 0)).tolist() == (low | high).tolist()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """Skill-SD: the skill summary of a compact trace by hand, UCB1 against a hand-worked sequence, the
 sampled-token reverse KL by hand, the teacher reads exactly the chosen skill and the student never
-does (token ids), the clipped loss against a hand computation, a step moves the student the
-expected way (PPO on advantages; the distillation term towards the teacher), reward feedback and
-library growth, micro-batched = one pass, exact resume of library and statistics, validation
-tasks never enter the library. (G = 1 refused, CLI and config: test_sdpo.py.)"""
+does (token ids), the clipped loss and the clip fractions against a hand computation (both stds),
+every pass at μ = 2 distils from the first pass's teacher, a step moves the student the expected
+way (PPO on advantages; the distillation term towards the teacher), reward feedback and library
+growth, micro-batched = one pass, exact resume of library and statistics, validation tasks never
+enter the library. (G = 1 refused, CLI and config: test_sdpo.py.)"""
 
 import math
 
@@ -135,8 +136,11 @@ def test_the_teacher_reads_the_chosen_skill_and_the_student_never_does(tmp_path)
     assert gap[scores.student.rows >= 4].max() < 1e-5 and gap[scores.student.rows < 4].max() > 1e-3
 
 
-def test_the_clipped_loss_equals_a_hand_computation(tmp_path):
-    t = build(tmp_path / "run", **{"skill_sd.sdl_coef": 0.3})
+@pytest.mark.parametrize("std", ["sample", "population"])
+def test_the_clipped_loss_equals_a_hand_computation(tmp_path, std):
+    # 'sample' is the default: Bessel's correction, n − 1, as TRL's GRPO.
+    t = build(tmp_path / "run", **{"skill_sd.sdl_coef": 0.3,
+                                   **({} if std == "sample" else {"skill_sd.std": std})})
     alg = t.algorithm
     batch = group_batch(t, ["jgjg", "gjjj"])
     prefill(alg, batch)
@@ -154,21 +158,58 @@ def test_the_clipped_loss_equals_a_hand_computation(tmp_path):
     for g in range(2):
         group = rewards[4 * g:4 * g + 4]
         mean = sum(group) / 4
-        std = math.sqrt(sum((r - mean) ** 2 for r in group) / 4)
-        advantages += [(r - mean) / (std + 1e-4) for r in group]
-    ppo = sdl = clipped = 0.0
+        std_ = math.sqrt(sum((r - mean) ** 2 for r in group) / (3 if std == "sample" else 4))
+        advantages += [(r - mean) / (std_ + 1e-4) for r in group]
+    ppo = sdl = low = high = 0.0
     for lp, lo, lt, row in zip(new.tolist(), old.tolist(), teacher, rows_):
         ratio, a = math.exp(lp - lo), advantages[row]
         ppo -= min(ratio * a, min(max(ratio, 0.8), 1.28) * a)
-        clipped += ratio < 0.8 or ratio > 1.28
+        low += ratio < 0.8 and a < 0       # where the clip binds: TRL's clip_ratio/low, /high
+        high += ratio > 1.28 and a > 0
         sdl += ratio * (lp - lt) if row < 4 else 0.0
     n, n_skill = len(rows_), sum(1 for row in rows_ if row < 4)
     expected = ppo / n + 0.3 * sdl / n_skill
-    assert 0 < clipped < n and abs(sdl) > 1e-3
+    assert 0 < low < n and 0 < high < n and abs(sdl) > 1e-3
     assert terms.metrics["ppo_loss"].item() == pytest.approx(ppo / n, rel=1e-5)
     assert terms.metrics["sdl"].item() == pytest.approx(sdl / n_skill, rel=1e-5)
     assert terms.losses["student"].item() == pytest.approx(expected, rel=1e-5)
-    assert terms.metrics["clip_fraction"].item() == pytest.approx(clipped / n)
+    assert terms.metrics["clip_fraction/low"].item() == pytest.approx(low / n)
+    assert terms.metrics["clip_fraction/high"].item() == pytest.approx(high / n)
+    assert terms.metrics["clip_fraction"].item() == pytest.approx((low + high) / n)
+
+
+def test_every_pass_distils_from_the_first_passs_teacher(tmp_path, monkeypatch):
+    # μ = 2: the teacher is the student's weights at the start of the step. The shared step keeps
+    # the teacher's hidden states from pass 0, but the output head is the live student's, moved by
+    # pass 0's update: pass 1 must reuse pass 0's teacher log-probs, not re-apply the new head.
+    t = build(tmp_path / "run", **{"train.learning_rate": 1e-3, "skill_sd.sdl_coef": 1.0,
+                                   "skill_sd.num_iterations": 2})
+    alg = t.algorithm
+    batch = group_batch(t, ["jgjg", "gjjj"])
+    prefill(alg, batch)
+    _, _, before = scored(alg, batch)
+    start = before.teacher.token_logprobs()
+    calls = []
+    kl = losses.sampled_reverse_kl
+
+    def recording(logprobs, old, teacher):
+        calls.append((logprobs.detach().clone(), old.clone(), teacher.detach().clone()))
+        return kl(logprobs, old, teacher)
+
+    monkeypatch.setattr(losses, "sampled_reverse_kl", recording)
+    figures = alg.step(batch)
+    assert len(calls) == 2 and figures["student/skipped_updates"] == 0
+    assert torch.allclose(calls[0][2], start, rtol=0, atol=1e-6)
+    assert torch.equal(calls[1][2], calls[0][2])
+    # The test means something: the student (and so the live teacher) moved between the passes.
+    _, _, after = scored(alg, batch)
+    assert (after.teacher.token_logprobs() - start).abs().max() > 1e-3
+    assert (calls[1][0] - calls[0][0]).abs().max() > 1e-3
+    # Pass 1's figure is ρ · (log π − log π_T) over the skill tokens with pass 0's teacher.
+    lp, old, _ = calls[1]
+    skill = before.student.rows < 4
+    sdl = (torch.exp(lp - old) * (lp - start))[skill].sum() / skill.sum()
+    assert figures["sdl"] == pytest.approx(sdl.item(), rel=1e-5)
 
 
 def mean_logprob(model, rollout):
@@ -238,7 +279,8 @@ def test_micro_batched_skill_sd_step_equals_the_one_batch_step(tmp_path):
     (whole, f_whole), (parts, f_parts) = runs
     assert f_whole["micro_batches"] == 1 and f_parts["micro_batches"] == 3
     assert f_whole["sdl"] != 0 and f_whole["clip_fraction"] >= 0
-    for key in ("loss", "ppo_loss", "sdl", "clip_fraction", "student/grad_norm"):
+    for key in ("loss", "ppo_loss", "sdl", "clip_fraction", "clip_fraction/low",
+                "clip_fraction/high", "student/grad_norm"):
         assert f_parts[key] == pytest.approx(f_whole[key], rel=0, abs=1e-6), key
     assert_same(snapshot(whole.ctx.student.parameters()), snapshot(parts.ctx.student.parameters()),
                 "student")

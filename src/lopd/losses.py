@@ -162,23 +162,29 @@ def dual_update(beta: float, margin: float, delta: float, lr: float) -> float:
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4,
-                     scale_rewards: str = "group") -> torch.Tensor:
+                     scale_rewards: str = "group", std: str = "sample") -> torch.Tensor:
     """GRPO's advantages: each reward minus its group's mean, divided as ``scale_rewards`` says
     (TRL's values): ``"group"`` by the group's std (+ ``eps``), ``"batch"`` by the std of all of
     ``rewards`` (+ ``eps``), ``"none"`` by nothing (Dr. GRPO: the std weights easy and hard tasks
-    unequally). Stds are population stds.
+    unequally). ``std``: ``"sample"`` (Bessel's correction, n − 1; TRL's) or ``"population"`` (n);
+    the sample std of a single value is taken as 0, as TRL does.
 
     ``rewards`` (R,) holds consecutive groups of ``group_size`` rollouts of the same task; a group
     whose rewards are all equal gets advantage 0 everywhere.
     """
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    if std not in ("sample", "population"):
+        raise ValueError(f"std must be 'sample' or 'population', got {std!r}")
     groups = rewards.view(-1, group_size)
     centred = groups - groups.mean(dim=1, keepdim=True)
+    bessel = int(std == "sample")
     if scale_rewards == "group":
-        return (centred / (groups.std(dim=1, keepdim=True, unbiased=False) + eps)).view(-1)
+        spread = groups.std(dim=1, keepdim=True, correction=bessel if group_size > 1 else 0)
+        return (centred / (spread + eps)).view(-1)
     if scale_rewards == "batch":
-        return (centred / (rewards.std(unbiased=False) + eps)).view(-1)
+        spread = rewards.std(correction=bessel if rewards.numel() > 1 else 0)
+        return (centred / (spread + eps)).view(-1)
     if scale_rewards == "none":
         return centred.view(-1)
     raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}")
@@ -190,6 +196,16 @@ def ppo_clip(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: tor
     ratio = torch.exp(logprobs - old_logprobs.detach())
     clipped = ratio.clamp(1 - epsilon, 1 + epsilon_high)
     return -torch.minimum(ratio * advantages, clipped * advantages)
+
+
+def ppo_clipped(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                epsilon: float, epsilon_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N,) bool masks (low, high) of the tokens where :func:`ppo_clip`'s clip binds, so that the
+    token gives no gradient; TRL's ``clip_ratio/low`` and ``clip_ratio/high``: low where
+    ρ < 1 − ε_lo and A < 0, high where ρ > 1 + ε_hi and A > 0. A ratio outside the range on the
+    other side of the advantage is not clipped (the unclipped term is the smaller one)."""
+    ratio = torch.exp(logprobs.detach() - old_logprobs.detach())
+    return (ratio < 1 - epsilon) & (advantages < 0), (ratio > 1 + epsilon_high) & (advantages > 0)
 
 
 def sampled_reverse_kl(logprobs: torch.Tensor, old_logprobs: torch.Tensor,

@@ -2,17 +2,20 @@
 
 The trainer runs ``grpo.num_generations`` (G) rollouts of each task side by side; each rollout's
 advantage is its reward minus the group's mean, divided by the group's std (``grpo.scale_rewards``:
-or the batch's, or nothing), given to every action token of the rollout. The student minimises the
-PPO-clip loss (ε_lo = ``grpo.epsilon``, ε_hi = ``grpo.epsilon_high``), ``grpo.num_iterations`` (μ)
-times per batch, averaged as ``grpo.loss_type`` says: over all action tokens of the step ("dapo",
-the default) or per rollout, then over rollouts ("grpo", the paper's 1/G Σ_i 1/|o_i| Σ_t).
+or the batch's, or nothing; ``grpo.std``: the sample std by default, as TRL's), given to every
+action token of the rollout. The student minimises the PPO-clip loss (ε_lo = ``grpo.epsilon``,
+ε_hi = ``grpo.epsilon_high``), ``grpo.num_iterations`` (μ) times per batch, averaged as
+``grpo.loss_type`` says: over all action tokens of the step ("dapo", the default) or per rollout,
+then over rollouts ("grpo", the paper's 1/G Σ_i 1/|o_i| Σ_t).
 
 With μ = 1 the "old" policy is the current one: the ratio π/π_old is exactly 1, the clip never
 acts, and the loss's gradient is that of −A·log π averaged the same way (a token mean over the step
 with the default "dapo"). With μ > 1 the old log-probs are those of the first pass, kept fixed, and
-the clip bounds the later passes. ``grpo.beta`` > 0 adds the k3 estimate of KL(π ‖ π_ref) to the
-frozen base, per token and averaged like the PPO term: the reference is this method's teacher view
-(other weights, no gradient).
+the clip bounds the later passes; the shares of action tokens it cuts off are logged as TRL's:
+``clip_fraction/low`` (ratio below 1 − ε_lo, advantage < 0), ``clip_fraction/high`` (ratio above
+1 + ε_hi, advantage > 0), ``clip_fraction`` their sum. ``grpo.beta`` > 0 adds the k3 estimate of
+KL(π ‖ π_ref) to the frozen base, per token and averaged like the PPO term: the reference is this
+method's teacher view (other weights, no gradient).
 
 Every average divides by the *step's* totals (:class:`~lopd.algorithms.base.Totals`), so any
 ``train.per_device_train_batch_size`` gives the same update as one pass.
@@ -58,8 +61,12 @@ class GRPOConfig:
     scale_rewards: Literal["group", "batch", "none"] = knob(
         "group", "What each rollout's reward minus its group's mean is divided by; TRL's name and "
         "values (strings only): 'group' (default) the group's reward std, 'batch' the std of all "
-        "the step's rewards (every process's), 'none' nothing (Dr. GRPO). Population stds, plus "
-        "1e-4.")
+        "the step's rewards (every process's), 'none' nothing (Dr. GRPO). The std is grpo.std's, "
+        "plus 1e-4.")
+    std: Literal["sample", "population"] = knob(
+        "sample", "Which std scale_rewards divides by: 'sample' (default; Bessel's correction, "
+        "divides the squared deviations by n - 1, as TRL does) or 'population' (by n: with G = 4 "
+        "the advantages are 1.155 times the sample std's).")
 
 
 @register
@@ -91,7 +98,7 @@ class GRPO(Algorithm):
             share = slice(world.rank * rewards.numel(), (world.rank + 1) * rewards.numel())
             rewards = torch.tensor(world.gather(rewards.tolist()), dtype=rewards.dtype)
         advantages = losses.group_advantages(rewards.to(self.device), self.group_size,
-                                             scale_rewards=scale)
+                                             scale_rewards=scale, std=self.spec.std)
         return {"advantages": advantages[share], "old": {}}
 
     def loss(self, micro: MicroBatch, scores: Scores, state: dict, totals: Totals) -> LossTerms:
@@ -115,17 +122,19 @@ class GRPO(Algorithm):
             log_ratio = scores.teacher.token_logprobs() - logprobs
             kl = average(torch.exp(log_ratio) - log_ratio - 1)
         loss = average(per_token) + spec.beta * kl
-        ratio = torch.exp(logprobs.detach() - old)
-        clipped = ((ratio < 1 - spec.epsilon) | (ratio > 1 + spec.epsilon_high)).float().sum() / n
+        low, high = losses.ppo_clipped(logprobs, old, token_adv, spec.epsilon, spec.epsilon_high)
+        low, high = low.float().sum() / n, high.float().sum() / n
         return LossTerms({"student": loss}, {"loss": loss.detach(), "kl_ref": kl.detach(),
-                                             "clip_fraction": clipped})
+                                             "clip_fraction": low + high,
+                                             "clip_fraction/low": low, "clip_fraction/high": high})
 
     def after_update(self, batch: StepBatch, state: dict, figures: dict) -> dict:
         groups = batch.rewards.view(-1, self.group_size)
         return {"advantage_abs": state["advantages"].abs().mean().item(),
-                "groups_without_signal": float((groups.std(dim=1) == 0).float().mean())}
+                "groups_without_signal": float((groups == groups[:, :1]).all(dim=1).float().mean())}
 
     def panels(self) -> list[Panel]:
         return [Panel("PPO-clip loss", ("loss",)),
                 Panel("share of groups with identical rewards", ("groups_without_signal",)),
-                Panel("clip fraction", ("clip_fraction",))]
+                Panel("clip fraction: total, low (A < 0), high (A > 0)",
+                      ("clip_fraction", "clip_fraction/low", "clip_fraction/high"))]

@@ -13,12 +13,15 @@ rollouts of each task side by side. For the step's rollouts:
 2. teacher: the student's own weights at the start of the step (the teacher is synchronised with
    the student at every step), reading the skill in a block at the start of its first user
    message (``skill_sd.placement``), without gradient; the student never sees the skill;
-3. student update: PPO-clip with group-normalised advantages, ε_lo = ``skill_sd.epsilon``,
-   ε_hi = ``skill_sd.epsilon_high``, averaged over the step's action tokens (as GRPO's default
-   "dapo"), plus λ_sdl = ``skill_sd.sdl_coef`` times the importance-weighted sampled-token reverse
-   KL (:func:`lopd.losses.sampled_reverse_kl`) averaged over the action tokens of rollouts that had
+3. student update: PPO-clip with group-normalised advantages (``skill_sd.std``: the group's
+   sample std by default, as TRL's), ε_lo = ``skill_sd.epsilon``, ε_hi = ``skill_sd.epsilon_high``,
+   averaged over the step's action tokens (as GRPO's default "dapo"), plus λ_sdl =
+   ``skill_sd.sdl_coef`` times the importance-weighted sampled-token reverse KL
+   (:func:`lopd.losses.sampled_reverse_kl`) averaged over the action tokens of rollouts that had
    a skill; ``skill_sd.num_iterations`` (μ) passes over the batch, the first pass's log-probs
-   being π_old of both terms;
+   being π_old of both terms, and the first pass's teacher log-probs the teacher's on every pass
+   (the teacher is the student's weights, which the earlier passes have moved); the clip's share
+   of action tokens is logged as GRPO's (``clip_fraction``, ``/low``, ``/high``);
 4. feedback: each rollout's reward updates the statistics of the skill its group was trained
    with (one pull per rollout); then the step's successes enter the library as skills of their
    pools (a summary already held in the pool is not added twice).
@@ -44,9 +47,11 @@ completed trajectories are summarised into skills (success patterns, mistakes, w
 condition only the teacher, and that the teacher is dynamically synchronised with the improving
 student. Its method section was not available to us; what it would fix is chosen here:
 
-* UCB1 score: mean reward + c·sqrt(ln N / n) with n the skill's pulls and N the task's pulls
-  (c multiplies the bonus: the usual "exploration constant"; c = √2 is Auer et al.'s UCB1);
-  untried skills first, ties to the oldest skill;
+* UCB1 score: mean reward + c·sqrt(ln N / n) with n the skill's pulls and N the sum of the pulls
+  of all the skills of the task's pool (its bandit's plays; a pull is one rollout, so a group
+  adds G), c multiplying the bonus (the usual "exploration constant"; c = √2 is Auer et al.'s
+  UCB1); untried skills first, ties to the oldest skill; the statistics move after the step, so
+  every group of a pool in one step gets the same skill;
 * the distillation term ρ · sg[log π − log π_T], ρ = π / π_old unclipped: the importance-sampled
   value of the token-level reverse KL whose gradient is the score-function estimate of its
   gradient (at μ = 1, ρ ≡ 1);
@@ -95,6 +100,9 @@ class SkillSDConfig:
                         "(the paper's 2).", ge=0.0)
     num_iterations: int = knob(1, "Policy updates per batch of rollouts (μ); > 1 keeps the first "
                                "pass's log-probs as π_old of both terms.", ge=1)
+    std: Literal["sample", "population"] = knob(
+        "sample", "The group std the PPO term's advantages are divided by (plus 1e-4): 'sample' "
+        "(default; Bessel's correction, n - 1, as TRL's GRPO) or 'population' (n).")
     placement: Literal["user", "system"] = knob(
         "user", "Where the skill goes in the teacher's prompt: 'user' a block at the start of the "
         "first user message, 'system' the end of the system message.")
@@ -216,7 +224,8 @@ class SkillLibrary:
 
     def choose(self, pool: str) -> int | None:
         """UCB1's choice among the pool's skills (an index), or None when it has none: an untried
-        skill first, else the highest mean reward + c·sqrt(ln N / n); ties to the oldest."""
+        skill first, else the highest mean reward + c·sqrt(ln N / n), n the skill's pulls and N
+        the sum of the pool's skills' pulls; ties to the oldest."""
         skills = self.skills.get(pool)
         if not skills:
             return None
@@ -287,27 +296,36 @@ class SkillSD(Algorithm):
                                             if i is not None))}
         if self.world.enabled:
             tokens = self.world.sum(tokens)
-        advantages = losses.group_advantages(batch.rewards.to(self.device), size)
+        advantages = losses.group_advantages(batch.rewards.to(self.device), size,
+                                             std=self.spec.std)
         return {"teacher_context": context, "chosen": chosen, "signal": signal.to(self.device),
                 "skill_tokens": int(round(tokens["skill_tokens"])), "advantages": advantages,
-                "old": {}}
+                "old": {}, "teacher_old": {}}
 
     def loss(self, micro: MicroBatch, scores: Scores, state: dict, totals: Totals) -> LossTerms:
         spec = self.spec
         logprobs = scores.student.token_logprobs()
         rows = scores.student.rows
         old = state["old"].setdefault(micro.index, logprobs.detach())
-        ppo = losses.ppo_clip(logprobs, old, micro.take(state["advantages"])[rows], spec.epsilon,
-                              spec.epsilon_high).sum() / max(1, totals.action_tokens)
+        # The shared step keeps the frozen teacher's hidden states across passes, but its output
+        # head is the student's, which the earlier passes have moved: keep pass 0's log-probs.
+        kept = state["teacher_old"]
+        if micro.index not in kept:
+            with torch.no_grad():
+                kept[micro.index] = scores.teacher.token_logprobs()
+        teacher = kept[micro.index]
+        advantages = micro.take(state["advantages"])[rows]
+        n = max(1, totals.action_tokens)
+        ppo = losses.ppo_clip(logprobs, old, advantages, spec.epsilon, spec.epsilon_high).sum() / n
         weights = micro.take(state["signal"])[rows]
-        sdl = (losses.sampled_reverse_kl(logprobs, old, scores.teacher.token_logprobs())
+        sdl = (losses.sampled_reverse_kl(logprobs, old, teacher)
                * weights).sum() / max(1, state["skill_tokens"])
         loss = ppo + spec.sdl_coef * sdl
-        ratio = torch.exp(logprobs.detach() - old)
-        clipped = ((ratio < 1 - spec.epsilon) | (ratio > 1 + spec.epsilon_high)).float().sum()
+        low, high = losses.ppo_clipped(logprobs, old, advantages, spec.epsilon, spec.epsilon_high)
+        low, high = low.float().sum() / n, high.float().sum() / n
         return LossTerms({"student": loss}, {
             "loss": loss.detach(), "ppo_loss": ppo.detach(), "sdl": sdl.detach(),
-            "clip_fraction": clipped / max(1, totals.action_tokens)})
+            "clip_fraction": low + high, "clip_fraction/low": low, "clip_fraction/high": high})
 
     def after_update(self, batch: StepBatch, state: dict, figures: dict) -> dict:
         chars = self.max_observation_chars
@@ -328,6 +346,8 @@ class SkillSD(Algorithm):
     def panels(self) -> list[Panel]:
         return [Panel("loss: PPO-clip + λ_sdl · reverse KL", ("loss", "ppo_loss")),
                 Panel("sampled-token reverse KL to the skill teacher", ("sdl",)),
+                Panel("clip fraction: total, low (A < 0), high (A > 0)",
+                      ("clip_fraction", "clip_fraction/low", "clip_fraction/high")),
                 Panel("share of rollouts without a skill", ("skill_sd/without_skill",)),
                 Panel("skills in the library", ("skill_sd/skills",))]
 
