@@ -11,7 +11,7 @@ from lopd.agent import (_CONTENT_PLACEHOLDER, FixedTextPolicy, ModelPolicy, Orac
 from lopd.envs.environment import (Environment, Episode, FinalAnswer, Malformed, StepResult, Task,
                             ToolCall, Verdict)
 from lopd.models import render
-from lopd.rollout import SamplingParams, TransformersEngine
+from lopd.rollout import Generation, SamplingParams, TransformersEngine
 
 # ----------------------------------------------------------------------------------------------
 # A tiny fake environment: a counter and a colour label, two tools.
@@ -307,6 +307,54 @@ def test_model_rollouts_stop_at_max_length(env, tasks, tiny_model, tiny_tokenize
     [cut] = run_episodes(env, tasks[:1], policy, tiny_tokenizer, max_turns=10, max_new_tokens=8,
                          batch_size=1, max_length=prompt_len + 7)
     assert cut.finish_reason == "max_length" and cut.num_turns == 0 and cut.reward == 0.0
+
+
+class StopsOnEndOfText(Policy):
+    """The oracle's turns as an engine with Qwen3's two eos ids returns them when the model stops
+    on ``<|endoftext|>`` instead of ``<|im_end|>``: the text's tokens, then that stop token, every
+    token with its own log-prob. Keeps the prompts it was given."""
+
+    def __init__(self):
+        self.generated, self.prompts = [], []
+
+    def act(self, contexts, max_new_tokens, tokenizer):
+        stop = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+        out = []
+        for context in contexts:
+            self.prompts.append(context.prompt_ids)
+            text = context.task.oracle_texts()[context.turn]
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [stop]
+            logprobs = [-0.01 * (i + 1) for i in range(len(ids))]
+            out.append(Generation(token_ids=ids, logprobs=logprobs, finished=True))
+        self.generated += out
+        return out
+
+
+def test_a_turn_ended_on_another_eos_keeps_that_token_as_an_action(env, tasks, tiny_tokenizer):
+    """Qwen3 stops on <|im_end|> and <|endoftext|>: a turn ended on the second is that sampling
+    decision, scored like any other (mask 1, its log-prob kept), and <|im_end|> is closed after it
+    (mask 0). The message renders to the very sequence, the action parses without the stop token,
+    and every prompt the model was given is a prefix of the sequence the trainer scores."""
+    endoftext = tiny_tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    im_end = tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert endoftext != im_end and endoftext == tiny_tokenizer.pad_token_id
+    policy = StopsOnEndOfText()
+    [rollout] = run_episodes(env, tasks[:1], policy, tiny_tokenizer, max_turns=6,
+                             max_new_tokens=64, batch_size=1)
+    assert rollout.reward == 1.0 and rollout.finish_reason == "answer"
+    assert [t["kind"] for t in rollout.turns] == ["tool_call", "tool_call", "answer"]
+    assert [t["action"] for t in rollout.turns] == tasks[0].oracle_texts()
+    assert_bookkeeping(rollout, tiny_tokenizer, policy.generated)
+    assert_same_tokens_as_the_full_rendering(rollout, tiny_tokenizer, TOOLS)
+    stops = [i for i, t in enumerate(rollout.input_ids) if t == endoftext]
+    assert len(stops) == 3
+    for i in stops:
+        assert rollout.action_mask[i] == 1 and rollout.logprobs[i] < 0
+        assert rollout.input_ids[i + 1] == im_end and rollout.action_mask[i + 1] == 0
+    assert [m["content"] for m in rollout.messages if m["role"] == "assistant"] == \
+        [text + "<|endoftext|>" for text in tasks[0].oracle_texts()]
+    for prompt in policy.prompts:
+        assert rollout.input_ids[:len(prompt)] == prompt
 
 
 def test_model_policy_needs_an_engine_that_stops_at_im_end(tiny_model, tiny_tokenizer):

@@ -149,6 +149,29 @@ def test_kept_caches_with_latents_through_the_composer_agent(toolworld):
         assert other == fresh.generate([extended], params, latents=z + 1.0)[0]
 
 
+def test_a_call_without_latents_never_borrows_a_cache_made_with_latents():
+    """A kept cache made with latents holds the latents at its <|latent|> positions: a new
+    session's latent-free prompt with the same tokens must prefill whole and get what a fresh
+    engine gives, not borrow those keys and values (only latent-free caches lend)."""
+    model, tokenizer = models.load_model("toolworld-1m")
+    model = model.double().eval()
+    words = tokenizer(" ".join("abcdefghijklmnopqrst"), add_special_tokens=False)["input_ids"]
+    latent_id = tokenizer.convert_tokens_to_ids(models.LATENT_TOKEN)
+    prompt = words[:4] + [latent_id] * 3 + words[4:]
+    assert len(prompt) > TransformersEngine.MIN_SHARED
+    z = torch.randn(1, 3, model.config.hidden_size, dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    engine = TransformersEngine(model, tokenizer)
+    engine.generate([prompt], params, latents=z, sessions=["with latents"])
+    before = engine.prefilled_tokens
+    plain = engine.generate([prompt], params, sessions=["without"])[0]
+    assert engine.prefilled_tokens - before == len(prompt)              # borrowed nothing
+    fresh = TransformersEngine(model, tokenizer, reuse_cache=False).generate([prompt], params)[0]
+    assert plain.token_ids == fresh.token_ids
+    assert max(abs(a - b) for a, b in zip(plain.logprobs, fresh.logprobs)) < 1e-9
+
+
 def test_rows_are_prefilled_in_groups_of_similar_length():
     assert length_groups([5, 300, 6, 40, 290, 20]) == [[0, 2, 5], [3], [4, 1]]
     assert length_groups([]) == []

@@ -85,3 +85,30 @@ def test_presets_have_the_documented_sizes(tiny_tokenizer):
     assert (tiny.config.hidden_size, tiny.config.num_hidden_layers) == (128, 2)
     assert (small.config.hidden_size, small.config.num_hidden_layers) == (256, 4)
     assert models.count_parameters(tiny) < models.count_parameters(small)
+
+
+def test_lopd_loads_print_no_progress_bar_and_raise_no_future_warning(capfd, recwarn):
+    """The demo's output is lopd's own stages: transformers' per-load "Loading weights" bar is off
+    while lopd loads a model (and as it was after), and neither the composer's LoRA wrapping (peft
+    reads the model's deprecated ``is_gradient_checkpointing``) nor turning on activation
+    checkpointing warns."""
+    from transformers.utils import logging as hf_logging
+
+    from lopd.composer import Composer
+    from lopd.experience import EmbedderSpec, load_embedder
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()                    # as in the demo, whatever the environment
+    try:
+        model, tokenizer = models.load_model("toolworld-1m")
+        Composer.load(models.ASSETS / "toolworld-1m-composer", model.eval(), tokenizer)
+        load_embedder(EmbedderSpec(kind="policy", path="toolworld-1m"))
+        student, _ = models.load_model("toolworld-1m")
+        models.enable_activation_checkpointing(student)
+        assert student.is_activation_checkpointing
+        assert hf_logging.is_progress_bar_enabled()
+    finally:
+        if not was_enabled:
+            hf_logging.disable_progress_bar()
+    assert "Loading weights" not in capfd.readouterr().err
+    assert [str(w.message) for w in recwarn if issubclass(w.category, FutureWarning)] == []

@@ -265,7 +265,9 @@ class Rollout:
     """The whole conversation as the model saw it: prompt, then every turn and tool message."""
     action_mask: list[int]
     """1 exactly on tokens the model generated (its closing end-of-turn token, ``<|im_end|>`` in
-    ChatML, included when it produced it); 0 on the prompt, tool messages and template tokens."""
+    ChatML, included when it produced it, and so is another stop token it ended the turn with,
+    e.g. Qwen3's ``<|endoftext|>``, then followed by the end-of-turn token); 0 on the prompt, tool
+    messages and template tokens, among them an end-of-turn token closed for the model."""
     logprobs: list[float]
     """Aligned with ``input_ids``: the sampling policy's log-prob on action tokens, else 0.0."""
     prompt_length: int
@@ -534,6 +536,10 @@ class _EpisodeRun:
         self.action_mask += [mask] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
 
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False,
+                                     clean_up_tokenization_spaces=False)
+
     def _piece_text(self, tool_message: dict | None) -> str:
         """What the template renders after the last assistant turn's end-of-turn token: the
         turn's closing text and, when given, the tool message (no generation prompt)."""
@@ -589,18 +595,20 @@ class _EpisodeRun:
         """Record one generated turn, step the environment; the finish reason once it is over."""
         ids, logprobs = list(generation.token_ids), list(generation.logprobs)
         # A turn always ends with the end-of-turn token: the model's own (an action token), or one
-        # closed for it (mask 0) when it was cut off or stopped on another stop token (the eos).
-        if ids and generation.finished and ids[-1] != self.turn_end_id:
-            ids, logprobs = ids[:-1], logprobs[:-1]
-        closed = bool(ids) and ids[-1] == self.turn_end_id
-        content_ids = ids[:-1] if closed else ids
-        text = self.tokenizer.decode(content_ids, skip_special_tokens=False,
-                                     clean_up_tokenization_spaces=False)
+        # closed for it (mask 0) when it was cut off or stopped on another stop token (Qwen3's
+        # <|endoftext|> beside <|im_end|>). That other stop token was sampled like any other: it
+        # stays an action token, so the trainer scores it, and the closing token follows it.
+        stopped = bool(ids) and generation.finished
+        closed = stopped and ids[-1] == self.turn_end_id
+        # The action is what the model wrote before its stop token; the message holds every
+        # generated token before the turn end, so that it renders to the very sequence.
+        text = self._decode(ids[:-1] if stopped else ids)
+        content = self._decode(ids) if stopped and not closed else text
         self._extend(self.generation_prompt, 0)
         self._extend(ids, 1, logprobs)
         if not closed:
             self._extend([self.turn_end_id], 0)
-        self.messages.append({"role": "assistant", "content": text})
+        self.messages.append({"role": "assistant", "content": content})
 
         action = parse_action(text, self.episode.tools)
         result = _step(self.episode, action)

@@ -28,6 +28,7 @@ from torch import nn
 from lopd.agent import ModelPolicy, TurnContext
 from lopd.config import ComposerConfig, from_dict
 from lopd.latent import ReferenceFormat, insert_reference
+from lopd.models import lora_model
 from lopd.rollout import Generation
 from lopd.runtime import length_groups
 
@@ -92,7 +93,7 @@ class Composer(nn.Module):
 
     def __init__(self, base, tokenizer, spec: ComposerConfig | None = None):
         super().__init__()
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig
 
         self.spec = spec or ComposerConfig()
         self.tokenizer = tokenizer
@@ -101,7 +102,7 @@ class Composer(nn.Module):
         lora = LoraConfig(r=self.spec.lora_r, lora_alpha=self.spec.lora_alpha,
                           lora_dropout=self.spec.lora_dropout,
                           target_modules=list(self.spec.lora_targets))
-        self.encoder = get_peft_model(base, lora)
+        self.encoder = lora_model(base, lora)
         # φ trains: the LoRA matrices and the compressor are float32 even on a bfloat16 base
         # (bf16-mixed precision runs them under autocast; their weights and Adam state stay fp32).
         for p in self.encoder.parameters():

@@ -15,7 +15,9 @@ so every code path that works on it works on Qwen3-4B as well.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -190,13 +192,55 @@ def resolve_model_path(name_or_path: str | Path) -> str:
     return str(path)
 
 
+@contextlib.contextmanager
+def quiet_loading():
+    """transformers' "Loading weights" progress bar off for the loads inside, then as it was.
+
+    lopd loads its models many times in a run (the student, the frozen base, the embedder, every
+    evaluation); a bar at each load would bury lopd's own stages in the output."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+def lora_model(model, lora_config):
+    """``peft.get_peft_model(model, lora_config)`` without peft's FutureWarning: peft (0.21) reads
+    the model's ``is_gradient_checkpointing``, which transformers 5.2x deprecated for
+    ``is_activation_checkpointing``; the value it reads is the same."""
+    from peft import get_peft_model
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated",
+                                FutureWarning)
+        return get_peft_model(model, lora_config)
+
+
+def enable_activation_checkpointing(model) -> None:
+    """Recompute each layer's activations in backward instead of keeping them (non-reentrant).
+    transformers 5.2x renamed ``gradient_checkpointing_enable`` to
+    ``activation_checkpointing_enable`` (the old name warns); the older releases lopd supports
+    have only the old name."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def load_model(name_or_path: str | Path, device: torch.device | str = "cpu",
                dtype: torch.dtype = torch.float32, trust_remote_code: bool = False):
     """Load a causal LM and its tokenizer from a local folder or an embedded model name."""
     path = resolve_model_path(name_or_path)
     tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
-                                                 trust_remote_code=trust_remote_code)
+    with quiet_loading():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                     trust_remote_code=trust_remote_code)
     model.to(device)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id

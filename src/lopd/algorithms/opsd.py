@@ -13,6 +13,20 @@ the step's student rollouts:
    ``train.loss_chunk_tokens`` action tokens at a time (:func:`lopd.teacher.per_token`), mean over
    the step's action tokens.
 
+This follows the LOPD paper's OPSD baseline (DESIGN §3: "frozen teacher with the oracle
+trajectory as system-message privileged context; forward KL over the full vocabulary"), not the
+defaults of OPSD's own release (github.com/siyan-zhao/OPSD, read at commit 590ec26:
+``scripts/run_opsd.sh``, ``opsd_trainer.py::generalized_jsd_loss``, ``data_collator.py``). The
+release also keeps the teacher frozen (the base with the LoRA adapter off, ``--fixed_teacher``) and
+distils over the full vocabulary, but with the generalised JSD at β = 0.5 (``--beta 0.5``; mixture
+(1 − β) p_S + β p_T) and with the reference solution written into the teacher's one user message,
+after the problem. Its β = 0 is exactly the loss here (:func:`lopd.losses.forward_kl_full`, the
+convention of :func:`lopd.losses.generalized_jsd`). Why the paper's form: lopd reproduces the
+paper's comparison, so the baseline is the one the paper reports, and every text teacher of this
+library carries its context in the same block (:func:`lopd.teacher.text_view`);
+``opsd.placement=user`` moves that block into the first user message, the release's message
+(there at its start, where the release writes the solution after the problem).
+
 The teacher never changes, so its scores are computed once per micro-batch and step. Oracle traces
 of every training task are rendered at start-up (an environment without them fails there, as in
 SDFT); replays are not model rollouts, so :meth:`setup_rollouts` is 0.

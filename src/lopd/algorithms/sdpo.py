@@ -16,8 +16,11 @@ each task side by side (a GRPO-style group). For the step's rollouts:
 3. student update: the generalised Jensen-Shannon divergence JSD_α between the student's and the
    teacher's top-k + tail reductions, per action token, averaged over the action tokens that have
    a teacher signal, all micro-batches and processes together;
-4. teacher update: θ_T ← (1 − r) θ_T + r θ_S with r = ``sdpo.ema_rate``, after each student
-   update that was applied.
+4. teacher update: θ_T ← (1 − r) θ_T + r θ_S with r = ``sdpo.ema_rate``, once per training step,
+   after the step's student update (one optimiser step: SDPO makes one pass over its batch) and
+   only when that update was applied (``after_update``). So the teacher that scores step t's
+   rollouts is the average of the students up to step t − 1: it never includes the update its
+   own scores drive.
 
 Settings taken from SDPO's public release (github.com/lasgroup/SDPO, read at commit 0e6d510:
 ``verl/trainer/config/actor/actor.yaml`` → ``self_distillation``, ``verl/trainer/config/sdpo.yaml``,
@@ -36,7 +39,12 @@ Settings taken from SDPO's public release (github.com/lasgroup/SDPO, read at com
   log(1 − Σ top-k) with a clamp; ours is the log-sum-exp of the tokens outside the support, the
   same quantity without the cancellation (:mod:`lopd.losses`).
 * EMA rate 0.05 (``teacher_regularization: ema``, ``teacher_update_rate: 0.05``), the teacher a
-  separate copy moved after each optimiser step; an update skipped as non-finite moves neither.
+  separate copy. The release moves it once per policy update, not per optimiser step:
+  ``dp_actor.update_policy`` scores with the teacher as it is, runs its mini-batch optimiser
+  steps, and calls ``_update_teacher()`` once at the end when at least one step had a finite
+  gradient norm. With ``train_batch_size`` = ``ppo_mini_batch_size`` = 32 and one epoch there is
+  one optimiser step per batch, and lopd follows that: one move per training step, after its one
+  update, none when the update was skipped as non-finite.
 * Success filter: its ``success_reward_threshold: 0.5`` on rewards that are 0 or 1, i.e. a
   solved task. Here the environment's success (every check / every test passes) decides, not a
   reward threshold: toolworld's fractional reward gives a random agent 0.53, which a 0.5

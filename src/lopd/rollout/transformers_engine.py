@@ -222,7 +222,9 @@ class TransformersEngine(RolloutEngine):
         shares with any kept sequence, when that is at least ``MIN_SHARED`` tokens: episodes of
         one task template open with the same system prompt and tool list. Keys and values of the
         same tokens at the same positions are the same whoever computed them (causal attention);
-        not with latents, whose values differ from row to row."""
+        not with latents, whose values differ from row to row: a prompt with latents borrows
+        nothing, and only caches made without latents lend (a ``<|latent|>`` position in one holds
+        the spliced latent, not the token's own embedding)."""
         kept, self._kept = self._kept, {}
         if not self.reuse_cache or sessions is None:
             self._kept_state = None
@@ -231,7 +233,7 @@ class TransformersEngine(RolloutEngine):
         if state != self._kept_state:
             kept = {}
         self._kept_state = state
-        donors = list(kept.values())
+        donors = [entry for entry in kept.values() if entry.latents is None]
         found = []
         for row, (prompt, session) in enumerate(zip(prompts, sessions)):
             entry = kept.pop(session, None)
