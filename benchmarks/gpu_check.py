@@ -8,9 +8,18 @@ random agent (gold and junk, so GRPO's advantages are non-zero), 4 per task. Eac
 
     python benchmarks/gpu_check.py                                   # a GPU: the full shape
     python benchmarks/gpu_check.py --width 64 --layers 2 --vocab 4096 --rollouts 8   # CPU, reduced
+    .venv-vllm/bin/python benchmarks/gpu_check.py --width 1024 --layers 1 --vocab 4096 \
+        --rollouts 8 --engine vllm --precision bf16-mixed       # CPU, vLLM serving bf16
 
-``benchmarks/gpu_check.sh`` wraps the first line. MFU counts 6·params·tokens for the student's
-forward and backward over the real (unpadded) tokens of the batch, against ``--peak-tflops``
+(vLLM's CPU attention has no kernel for head size 16, that of every reduced width up to 512; 1024
+has 32.) The last line under ``.venv-vllm/bin/torchrun --nproc_per_node 2`` with ``--parallel ddp``
+runs two DDP ranks on gloo, each with its own engine. ``benchmarks/gpu_check.sh`` wraps the first line with vLLM colocated on the GPU (``--engine vllm
+--vllm-sleep``): it prints the share of the GPU vLLM was given
+(``rollout.vllm_gpu_memory_utilization``, 'auto' unless ``--vllm-memory``), puts vLLM to sleep
+during each update as the trainer does, checks that vLLM serves bf16 under bf16-mixed and that it
+generates again after waking; on a machine with two GPUs it then runs two DDP ranks, each with
+its own engine. MFU counts 6·params·tokens for the student's forward and backward over the real
+(unpadded) tokens of the batch, against ``--peak-tflops``
 (default: 989, an H100/H200's dense bf16 peak; none is printed on a CPU unless given).
 """
 
@@ -105,17 +114,22 @@ def generation_throughput(t, rollouts, new_tokens: int) -> dict:
 
 def run(args) -> dict:
     torch.set_num_threads(args.threads)
-    device = runtime.resolve_device(args.device)
+    # Under torchrun rank 0 writes the inputs, in a folder all ranks read.
+    world, device = distributed.init(runtime.resolve_device(args.device), args.parallel)
     precision = runtime.resolve_precision(args.precision, device)
     tokenizer = models.load_tokenizer(models.resolve_model_path("toolworld-1m"))
     reduce = {k: v for k, v in (("width", args.width), ("layers", args.layers),
                                 ("vocab_size", args.vocab)) if v is not None}
-    work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    work = [Path(tempfile.mkdtemp(prefix="gpu-check-")) if world.is_main else None]
+    if world.enabled:
+        torch.distributed.broadcast_object_list(work, src=0)
+    work = work[0]
     clock = time.perf_counter()
     model = models.build_shaped_model(args.architecture, tokenizer, seed=0, **reduce)
     params = models.count_parameters(model)
-    models.save_model(model.to(torch.bfloat16 if precision == "bf16-mixed" else torch.float32),
-                      tokenizer, work / "model")
+    if world.is_main:
+        models.save_model(model.to(torch.bfloat16 if precision == "bf16-mixed" else torch.float32),
+                          tokenizer, work / "model")
     del model
     build_seconds = time.perf_counter() - clock
 
@@ -125,10 +139,12 @@ def run(args) -> dict:
     real_tokens = sum(len(r.input_ids) for r in rollouts)
     action_tokens = sum(sum(r.action_mask) for r in rollouts)
 
-    embedder = load_embedder(EmbedderSpec(kind="minilm"), device=device)
-    with ExperienceBank.create(work / "bank", embedder) as bank:
-        gold = agent.run_episodes(env, env.tasks("train"), agent.OraclePolicy(), tokenizer, 8, 96, 64)
-        bank.add_rollouts(gold, {t.task_id: t for t in env.tasks("train")}, source="oracle")
+    if world.is_main:
+        embedder = load_embedder(EmbedderSpec(kind="minilm"), device=device)
+        with ExperienceBank.create(work / "bank", embedder) as bank:
+            gold = agent.run_episodes(env, env.tasks("train"), agent.OraclePolicy(), tokenizer,
+                                      8, 96, 64)
+            bank.add_rollouts(gold, {t.task_id: t for t in env.tasks("train")}, source="oracle")
     sets = [f"model.name_or_path={work / 'model'}", f"run.device={device.type}",
             f"run.precision={precision}", f"train.rollouts_per_step={len(rollouts)}",
             f"train.per_device_train_batch_size={args.micro_batch}",
@@ -138,18 +154,28 @@ def run(args) -> dict:
             f"composer.num_latents={args.latents}", f"composer.num_heads={args.composer_heads}",
             f"lopd.composer={work / 'composer'}", f"lopd.bank={work / 'bank'}",
             "lopd.add_successes=false", f"run.num_threads={args.threads}",
-            f"train.parallel={args.parallel}", f"rollout.engine={args.engine}"]
-    base, _ = models.load_model(work / "model", device=device,
-                                dtype=runtime.resolve_dtype("auto", device, precision))
-    torch.manual_seed(0)
-    Composer(base.eval(), tokenizer, load_config("tiny", sets).composer).save(work / "composer")
-    del base
+            f"train.parallel={args.parallel}", f"rollout.engine={args.engine}",
+            f"rollout.vllm_sleep={str(args.vllm_sleep).lower()}",
+            f"rollout.vllm_gpu_memory_utilization={args.vllm_memory}"]
+    if world.is_main:
+        base, _ = models.load_model(work / "model", device=device,
+                                    dtype=runtime.resolve_dtype("auto", device, precision))
+        torch.manual_seed(0)
+        Composer(base.eval(), tokenizer, load_config("tiny", sets).composer).save(work / "composer")
+        del base
+    world.barrier()
 
     results = {}
     for algo in ("grpo", "lopd"):
         cfg = load_config("tiny", [*sets, f"train.algorithm={algo}"])
         t = trainer.Trainer(cfg, work / f"run-{algo}", get_algorithm(algo), progress=False)
         batch = StepBatch(1, order, rollouts)
+        if args.engine == "vllm":
+            engine = {"dtype": str(t.engine.dtype).removeprefix("torch."),
+                      "gpu_memory_utilization": t.engine.gpu_memory_utilization,
+                      "sleep": t.engine.sleep_mode}
+            if precision == "bf16-mixed":  # rollout.vllm_dtype=auto: never the fp32 master copy
+                assert t.engine.dtype == torch.bfloat16, t.engine.dtype
         if algo == "grpo":
             generation = generation_throughput(t, rollouts, args.new_tokens)
         t.ctx.student.train()
@@ -158,6 +184,7 @@ def run(args) -> dict:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats(device)
             started = time.perf_counter()
+            t.engine.sleep()  # as the trainer does: a no-op unless rollout.vllm_sleep
             with PeakRSS() as rss:
                 figures = t.algorithm.step(batch)
             pipeline.sync_engine(t.engine, t.ctx.student)
@@ -171,6 +198,16 @@ def run(args) -> dict:
                          "peak_memory_gb": (torch.cuda.max_memory_allocated(device) / 2**30
                                             if device.type == "cuda" else rss.gib),
                          "student_update_tflops": 6 * params * real_tokens / max(update, 1e-9) / 1e12}
+        # The engine generates again after the update (woken from sleep, with the new weights).
+        results[algo]["tokens_after_update"] = generation_throughput(t, rollouts[:4], 8)["tokens"]
+        assert results[algo]["tokens_after_update"] > 0
+        # The engine's memory back before the next method's engine is sized. Over several ranks
+        # vLLM's shutdown would also tear down the process group it shares with lopd: there the
+        # engine stays, asleep where rollout.vllm_sleep is on.
+        if args.engine == "vllm" and t.world.enabled:
+            t.engine.sleep()
+        elif args.engine == "vllm":
+            t.engine.close()
         del t
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -183,7 +220,8 @@ def run(args) -> dict:
             "action_tokens": action_tokens, "micro_batch": args.micro_batch,
             "loss_chunk_tokens": args.loss_chunk_tokens, "vocab_size": reduce.get("vocab_size"),
             "model_build_seconds": round(build_seconds, 1), "peak_tflops": peak,
-            "parallel": args.parallel, "engine": args.engine, "generation": generation, **results}
+            "parallel": args.parallel, "engine": args.engine, "generation": generation,
+            **({"vllm": engine} if args.engine == "vllm" else {}), **results}
 
 
 def main() -> None:
@@ -203,6 +241,10 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--engine", default="transformers", choices=["transformers", "vllm"],
                         help="rollout.engine for the generation throughput and weight pushes")
+    parser.add_argument("--vllm-sleep", action=argparse.BooleanOptionalAction, default=False,
+                        help="rollout.vllm_sleep: vLLM sleeps during each update (CUDA only)")
+    parser.add_argument("--vllm-memory", default="auto",
+                        help="rollout.vllm_gpu_memory_utilization: 'auto' or a share of the GPU")
     parser.add_argument("--parallel", default="ddp", choices=["ddp", "fsdp2"],
                         help="train.parallel; takes effect under torchrun (one process is enough)")
     parser.add_argument("--new-tokens", type=int, default=64,
@@ -221,6 +263,9 @@ def main() -> None:
              ["student update TFLOP/s", *(round(out[a]["student_update_tflops"], 3)
                                           for a in ("grpo", "lopd"))]]
     rows.append(["generation tokens/s", round(out["generation"]["tokens_per_second"]), ""])
+    if "vllm" in out:
+        rows.append(["vLLM dtype, GPU share, sleep", f"{out['vllm']['dtype']}, "
+                     f"{out['vllm']['gpu_memory_utilization']}, {out['vllm']['sleep']}", ""])
     if out["peak_tflops"]:
         rows.append(["MFU (student update)", *(f"{out[a]['mfu']:.1%}" for a in ("grpo", "lopd"))])
     print(format_table(["phase (s)", "GRPO", "LOPD"], rows,

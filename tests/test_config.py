@@ -37,6 +37,11 @@ def test_yaml_file_and_set_overrides(tmp_path):
     (["rollout.top_p=1.5"], ["rollout.top_p", "<= 1.0"]),
     (["run.device=tpu"], ["run.device", "'tpu'", "'cpu'", "'cuda'"]),
     (["model.architecture=huge"], ["model.architecture", "'qwen3-1m'", "'qwen3-4m'"]),
+    (["rollout.vllm_gpu_memory_utilization=1.5"], ["rollout.vllm_gpu_memory_utilization",
+                                                   "<= 1.0"]),
+    (["rollout.vllm_gpu_memory_utilization=most"], ["rollout.vllm_gpu_memory_utilization",
+                                                    "'auto' or a number"]),
+    (["rollout.vllm_dtype=float16"], ["rollout.vllm_dtype", "'bfloat16'", "'float32'"]),
     (["learning_rate=1"], ["section and a field"]),
     (["train.learning_rate"], ["section.key=value"]),
 ])

@@ -183,3 +183,77 @@ def test_vllm_weights_of_plain_injected_and_peft_models(tiny_model):
     x = torch.randn(3, tiny_model.config.hidden_size)
     with torch.no_grad():
         assert torch.allclose(layer(x), x @ merged[q].T, atol=1e-5)
+
+
+def test_vllm_serves_bf16_under_bf16_mixed_training():
+    from lopd.rollout.vllm_engine import serving_dtype
+
+    fp32, bf16 = torch.float32, torch.bfloat16
+    assert serving_dtype("auto", "bf16-mixed", fp32) == bf16   # not the fp32 master weights
+    assert serving_dtype("auto", "fp32", fp32) == fp32
+    assert serving_dtype("auto", "fp32", bf16) == bf16          # a model stored in bf16 (eval)
+    assert serving_dtype("float32", "bf16-mixed", fp32) == fp32
+    assert serving_dtype("bfloat16", "fp32", fp32) == bf16
+
+
+def test_auto_gpu_memory_utilization_leaves_the_update_its_memory():
+    from lopd.rollout.vllm_engine import auto_gpu_memory_utilization
+
+    gib = 2**30
+    # An H200 (140 GiB) with 100 GiB free once the models are resident, an 8 GiB student's
+    # update still to allocate 24 GiB: (100 - 24 - 14) / 140 = 0.443, rounded down.
+    share = auto_gpu_memory_utilization(100 * gib, 140 * gib, 24 * gib, 16 * gib)
+    assert share == 0.44
+    # vLLM starts only if share x total is free; the update and the 10% margin stay free.
+    assert share * 140 * gib <= 100 * gib - 24 * gib - 14 * gib
+    # Asleep during the update, vLLM may take all but the margin.
+    assert auto_gpu_memory_utilization(100 * gib, 140 * gib, 0, 16 * gib) == 0.61
+    with pytest.raises(ValueError, match=r"rollout.vllm_gpu_memory_utilization=auto: 40.0 GiB "
+                       r"of the GPU's 140.0 GiB is free .* set rollout.vllm_sleep=true"):
+        auto_gpu_memory_utilization(40 * gib, 140 * gib, 24 * gib, 16 * gib)
+
+
+def test_a_sleeping_vllm_engine_takes_the_new_weights_before_its_kv_cache(tiny_model):
+    """rollout.vllm_sleep's protocol on a stand-in for vllm.LLM (sleep mode needs a GPU): sleep
+    frees weights and KV cache (level 2); the sync after the update maps the weights back, loads
+    the update in the served dtype, then wakes the rest; a generate on a sleeping engine first
+    pushes the model's weights."""
+    from lopd.rollout.vllm_engine import VLLMEngine
+
+    class StandIn:
+        def __init__(self):
+            self.calls = []
+
+        def sleep(self, level):
+            self.calls.append(f"sleep {level}")
+
+        def wake_up(self, tags=None):
+            self.calls.append(f"wake_up {tags}")
+
+        def collective_rpc(self, method, kwargs):
+            dtypes = {value.dtype for _, value in kwargs["weights_iterator"]}
+            self.calls.append(f"{method} {dtypes}")
+
+        def reset_prefix_cache(self):
+            self.calls.append("reset_prefix_cache")
+
+    engine = object.__new__(VLLMEngine)
+    engine.model, engine.dtype, engine.llm = tiny_model, torch.bfloat16, StandIn()
+    engine.sleep_mode, engine._asleep = True, False
+    engine.sleep()
+    engine.sleep()  # asleep already: nothing more
+    engine.sync_weights(tiny_model)
+    assert engine.llm.calls == ["sleep 2", "wake_up ['weights']",
+                                "reload_weights {torch.bfloat16}", "wake_up None",
+                                "reset_prefix_cache"]
+    engine.llm.calls.clear()
+    engine.sleep()
+    engine._sampling_params = lambda *args: None
+    engine.llm.generate = lambda *args, **kwargs: engine.llm.calls.append("generate") or []
+    engine.generate([[1, 2]], SamplingParams(temperature=0, max_new_tokens=2))
+    assert engine.llm.calls[1:] == ["wake_up ['weights']", "reload_weights {torch.bfloat16}",
+                                    "wake_up None", "reset_prefix_cache", "generate"]
+    engine.llm.calls.clear()
+    engine.sleep_mode = False  # an engine built without rollout.vllm_sleep never sleeps
+    engine.sleep()
+    assert engine.llm.calls == []

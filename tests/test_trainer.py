@@ -145,6 +145,31 @@ def test_the_engine_gets_the_students_weights_after_every_update(tmp_path, monke
     assert all(torch.equal(v, final[k]) for k, v in pushed[-1][1].items())
 
 
+def test_the_engine_sleeps_from_the_rollouts_to_the_weight_push(tmp_path, monkeypatch):
+    """rollout.vllm_sleep's place in the loop: the engine sleeps after each step's rollouts, the
+    update runs, then the push of the new weights wakes it before any further generation."""
+    from lopd import pipeline
+
+    cfg = load_config("tiny", ["env.train_size=20", "env.eval_size=2", "env.pretrain_size=0",
+                               "train.rollouts_per_step=4", "train.eval_tasks=2",
+                               "train.max_steps=2", "rollout.max_turns=2",
+                               "rollout.max_completion_length=16", "train.algorithm=grpo",
+                               "grpo.num_generations=2"])
+    t = trainer.Trainer(cfg, tmp_path / "run", get_algorithm("grpo"), progress=False)
+    events = []
+
+    def record(name, fn):
+        return lambda *args, **kwargs: events.append(name) or fn(*args, **kwargs)
+
+    monkeypatch.setattr(t.engine, "generate", record("generate", t.engine.generate))
+    monkeypatch.setattr(t.engine, "sleep", record("sleep", t.engine.sleep))
+    monkeypatch.setattr(t.algorithm, "step", record("update", t.algorithm.step))
+    monkeypatch.setattr(pipeline, "sync_engine", record("push", pipeline.sync_engine))
+    t.run()
+    runs = [e for i, e in enumerate(events) if i == 0 or e != events[i - 1]]
+    assert runs == ["generate", "sleep", "update", "push"] * 2 + ["generate"]
+
+
 # ----------------------------------------------------------------------------------------------
 # Damaged run folders and refused starts: one line naming the file or key, nothing saved lost.
 

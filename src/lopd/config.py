@@ -104,6 +104,22 @@ class RolloutConfig:
     batch_size: int = knob(
         128, "Episodes generated together (slots refill as episodes end). On the tiny model 128 "
         "is 1.4x faster than 32 on this CPU; memory grows with it on large models.", ge=1)
+    vllm_dtype: Literal["auto", "bfloat16", "float32"] = knob(
+        "auto", "Dtype vLLM serves the weights in (rollout.engine=vllm): 'auto' is bfloat16 "
+        "when run.precision resolves to bf16-mixed (the weights the student computes with), "
+        "else the served model's own dtype. Float32 doubles vLLM's weight and KV-cache memory.")
+    vllm_gpu_memory_utilization: Literal["auto"] | float = knob(
+        "auto", "Share of the GPU's memory vLLM may take for its weights, activations and KV "
+        "cache (rollout.engine=vllm on cuda; vLLM refuses to start when less is free). 'auto' "
+        "sizes it from the memory free once the student, teachers and composer are resident, "
+        "less what the update still needs (3x the trainable weights for gradients and AdamW "
+        "moments, unless rollout.vllm_sleep) and 10% of the GPU; the choice is printed. TRL's "
+        "colocate default is 0.3. Ignored on CPU.", gt=0.0, le=1.0)
+    vllm_sleep: bool = knob(
+        False, "Put vLLM to sleep during each update (its KV cache and weights freed, the weights "
+        "pushed again before the next rollouts) so the update can use that memory "
+        "(rollout.engine=vllm; needs vLLM's sleep mode, which CUDA has and CPU has not: refused "
+        "at start-up where it is missing).")
 
 
 @dataclass

@@ -84,8 +84,12 @@ ENGINES = _engines()
 
 def check_engine(rollout_cfg) -> None:
     """Refuse, at start-up, a ``rollout.engine`` no engine implements (or whose library is
-    missing, saying how to install it)."""
+    missing, saying how to install it), and ``rollout.vllm_sleep`` where vLLM has no sleep mode."""
     if rollout_cfg.engine in ENGINES:
+        if rollout_cfg.engine == "vllm" and rollout_cfg.vllm_sleep:
+            from lopd.rollout.vllm_engine import check_sleep_mode
+
+            check_sleep_mode()
         return
     if rollout_cfg.engine == "vllm":
         from lopd.rollout.vllm_engine import INSTALL_HINT
@@ -96,15 +100,27 @@ def check_engine(rollout_cfg) -> None:
                       f"{rollout_cfg.engine} engine yet; available: {', '.join(ENGINES)}")
 
 
-def make_engine(rollout_cfg, model, tokenizer):
+def make_engine(rollout_cfg, model, tokenizer, precision: str = "auto", train: bool = False):
     """The rollout engine named by ``rollout.engine`` over ``model`` (kept resident). An engine
     that holds its own copy of the weights (vLLM) must be told of every update of ``model``:
-    :func:`sync_engine` after each optimiser step."""
+    :func:`sync_engine` after each optimiser step. ``precision``: the run's (``run.precision``),
+    which decides vLLM's served dtype; ``train``: ``model`` is the student the caller updates
+    (vLLM keeps room for the update, or sleeps through it with ``rollout.vllm_sleep``)."""
     check_engine(rollout_cfg)
     if rollout_cfg.engine == "vllm":
-        from lopd.rollout.vllm_engine import VLLMEngine
+        from lopd import runtime
+        from lopd.rollout.vllm_engine import UPDATE_WEIGHT_COPIES, VLLMEngine, serving_dtype
 
-        return VLLMEngine(model, tokenizer)
+        weights = list(model.parameters())
+        resolved = runtime.resolve_precision(precision, weights[0].device)
+        sleep = train and rollout_cfg.vllm_sleep
+        trainable = sum(p.numel() * p.element_size() for p in weights if p.requires_grad)
+        return VLLMEngine(
+            model, tokenizer,
+            dtype=serving_dtype(rollout_cfg.vllm_dtype, resolved, weights[0].dtype),
+            gpu_memory_utilization=rollout_cfg.vllm_gpu_memory_utilization,
+            update_bytes=UPDATE_WEIGHT_COPIES * trainable if train and not sleep else 0,
+            sleep=sleep)
     from lopd.rollout import TransformersEngine
 
     return TransformersEngine(model, tokenizer)
@@ -144,7 +160,8 @@ def model_policy(cfg: Config, model, tokenizer, temperature: float | None = None
     """The model acting through the configured engine (``engine`` reuses one already built)."""
     from lopd.agent import ModelPolicy
 
-    engine = engine if engine is not None else make_engine(cfg.rollout, model, tokenizer)
+    engine = engine if engine is not None else make_engine(cfg.rollout, model, tokenizer,
+                                                           cfg.run.precision)
     return ModelPolicy(engine, tokenizer, sampling(cfg, temperature, seed))
 
 
@@ -177,7 +194,7 @@ def composer_policy(cfg: Config, model_path: str | None, composer_dir: str | Pat
     device = _device(cfg, device)
     model, tokenizer = load_model(cfg, model_path, device)
     composer = Composer.load(composer_dir, model, tokenizer).eval()
-    engine = make_engine(cfg.rollout, composer.base, tokenizer)
+    engine = make_engine(cfg.rollout, composer.base, tokenizer, cfg.run.precision)
     bank = open_bank(cfg, bank_dir, device)
     return ComposerPolicy(engine, composer, bank, sampling(cfg), cfg.bank.n_ret), tokenizer, bank
 
@@ -462,7 +479,7 @@ def build_bank(cfg: Config, out: str | Path, model_path: str | None = None, agen
         before = len(bank)
         if agent == "model":
             model, tokenizer = load_model(cfg, model_path, device)
-            engine = make_engine(cfg.rollout, model, tokenizer)
+            engine = make_engine(cfg.rollout, model, tokenizer, cfg.run.precision)
             policies = [model_policy(cfg, model, tokenizer, cfg.rollout.temperature, seed, engine)
                         for seed in seeds]
         else:

@@ -360,7 +360,8 @@ class Trainer:
                                 self.precision, world, self.wrapped, validation)
         self.algorithm = self.algorithm_cls(self.ctx, checkpoint)
         self.setup_generations = self.algorithm.setup_rollouts()
-        self.engine = pipeline.make_engine(cfg.rollout, student, tokenizer)
+        self.engine = pipeline.make_engine(cfg.rollout, student, tokenizer, self.precision,
+                                           train=True)
         self.start_step, self.generations = 0, 0
         if checkpoint is not None:
             self._restore(checkpoint, state)
@@ -385,13 +386,13 @@ class Trainer:
             models.freeze_token_rows(model, [latent_id])
             self._frozen_rows = [latent_id]
         if cfg.train.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            models.enable_activation_checkpointing(model)
         if cfg.train.student == "lora":
-            from peft import LoraConfig, get_peft_model
+            from peft import LoraConfig
 
             for p in model.parameters():
                 p.requires_grad_(False)
-            model = get_peft_model(model, LoraConfig(
+            model = models.lora_model(model, LoraConfig(
                 r=cfg.train.student_lora_r, lora_alpha=cfg.train.student_lora_alpha,
                 lora_dropout=0.0, target_modules=list(cfg.composer.lora_targets)))
             if checkpoint is not None:
@@ -579,6 +580,8 @@ class Trainer:
             rollouts = self.rollouts(tasks, cfg.rollout.temperature,
                                      distributed.shard_seed(seed, world.rank))
             rollout_seconds = time.perf_counter() - started
+            # rollout.vllm_sleep: vLLM's memory is the update's until the sync below wakes it.
+            self.engine.sleep()
             self.ctx.student.train()
             figures = self.algorithm.step(StepBatch(step, tasks, rollouts))
             # An engine that keeps its own copy of the weights (vLLM) samples the next step from

@@ -110,6 +110,11 @@ class RolloutEngine(ABC):
         model object itself (transformers) need nothing; engines holding their own copy of the
         weights (vLLM) reload them. Call after every update of the model."""
 
+    def sleep(self) -> None:
+        """Release the memory the engine holds for generation while the model is updated; the
+        next :meth:`sync_weights` or :meth:`generate` takes it back. Engines that hold nothing of
+        their own (transformers) need nothing."""
+
 
 def check_sampling(rollout_cfg) -> None:
     """Refuse training rollouts that the training forward would not score as sampled.

