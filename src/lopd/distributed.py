@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from lopd.runtime import launched
+
 PARALLEL = ("ddp", "fsdp2")
 
 
@@ -146,12 +148,6 @@ class World:
 
 
 SINGLE = World()
-
-
-def launched() -> bool:
-    """True when torchrun started this process (one of several, or one alone: a 1-process torchrun
-    still wraps the student, e.g. FSDP2 on one GPU)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def init(device: torch.device, parallel: str = "ddp") -> tuple[World, torch.device]:

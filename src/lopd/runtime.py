@@ -81,3 +81,9 @@ def length_groups(lengths: list[int], slack: float = 1.5, floor: int = 16) -> li
             shortest = lengths[index]
         groups[-1].append(index)
     return groups
+
+
+def launched() -> bool:
+    """True when torchrun started this process (one of several, or one alone; one process alone
+    trains unwrapped, as without torchrun)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ

