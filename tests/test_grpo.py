@@ -218,7 +218,7 @@ def test_micro_batched_step_equals_the_one_pass_step(inputs, tmp_path, sets):  #
     for key in ("loss", "kl_ref", "clip_fraction", "clip_fraction/low", "clip_fraction/high",
                 "student/grad_norm", "advantage_abs"):
         # The gradient norm sums every parameter's squares in another order per micro-batch
-        # split: on an AVX2 CPU that is 1.5e-6 of a norm near 1 (fp32 noise), hence relative.
+        # split: on an AMD EPYC CPU that is 1.5e-6 of a norm near 1 (fp32 noise), hence relative.
         tol = {"rel": 1e-5} if key == "student/grad_norm" else {"rel": 0, "abs": 1e-6}
         assert f_parts[key] == pytest.approx(f_whole[key], **tol), key
     assert_same(snapshot(whole.ctx.student.parameters()), snapshot(parts.ctx.student.parameters()),

@@ -282,7 +282,7 @@ def test_micro_batched_skill_sd_step_equals_the_one_batch_step(tmp_path):
     for key in ("loss", "ppo_loss", "sdl", "clip_fraction", "clip_fraction/low",
                 "clip_fraction/high", "student/grad_norm"):
         # The gradient norm sums every parameter's squares in another order per micro-batch
-        # split: on an AVX2 CPU that is 1.5e-6 of a norm near 1 (fp32 noise), hence relative.
+        # split: on an AMD EPYC CPU that is 1.5e-6 of a norm near 1 (fp32 noise), hence relative.
         tol = {"rel": 1e-5} if key == "student/grad_norm" else {"rel": 0, "abs": 1e-6}
         assert f_parts[key] == pytest.approx(f_whole[key], **tol), key
     assert_same(snapshot(whole.ctx.student.parameters()), snapshot(parts.ctx.student.parameters()),
