@@ -185,8 +185,8 @@ def test_the_baselines_in_two_ddp_processes_equal_one_process(references, two_pr
     a, b = metrics(one), metrics(two)
     assert sorted(a) == sorted(b) == [0, 1, 2]
     assert_metrics_equal(a, b, [0, 1, 2])
-    # 1e-5 (the step's move), as with micro-batches below: on an AMD EPYC CPU one OPSD o_proj weight,
-    # a near-zero gradient's Adam step, lands 1.3e-6 off.
+    # 1e-5 (the step's move), as with micro-batches below: on an AMD EPYC CPU one OPSD o_proj
+    # weight, a near-zero gradient's Adam step, lands 1.3e-6 off.
     assert_weights_equal(weights(one, 1), weights(two, 1), tol=1e-5)
     assert_weights_equal(weights(one, 2), weights(two, 2), tol=1e-5)
     if algo in ("sdft", "opsd"):  # every rollout has a teacher signal: the steps really move
