@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The prepared GPU check: one GRPO and one LOPD step on a Qwen3-4B-shaped random model.
-# 1. One process under torchrun: the student wrapped by FSDP2 on the GPU, rollouts from vLLM
-#    colocated with it. It prints the share of the GPU vLLM took
+# 1. One process under torchrun (train.parallel=fsdp2, which wraps the student only from two
+#    processes on: one process trains it unwrapped), rollouts from vLLM colocated with it. It prints the share of the GPU vLLM took
 #    (rollout.vllm_gpu_memory_utilization=auto), puts vLLM to sleep during each update
 #    (rollout.vllm_sleep), asserts that vLLM serves bf16 (rollout.vllm_dtype=auto under
 #    bf16-mixed) and that it generates again after waking.
