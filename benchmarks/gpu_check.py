@@ -13,14 +13,14 @@ random agent (gold and junk, so GRPO's advantages are non-zero), 4 per task. Eac
 
 (vLLM's CPU attention has no kernel for head size 16, that of every reduced width up to 512; 1024
 has 32.) The last line under ``.venv-vllm/bin/torchrun --nproc_per_node 2`` with ``--parallel ddp``
-runs two DDP ranks on gloo, each with its own engine. ``benchmarks/gpu_check.sh`` wraps the first line with vLLM colocated on the GPU (``--engine vllm
---vllm-sleep``): it prints the share of the GPU vLLM was given
-(``rollout.vllm_gpu_memory_utilization``, 'auto' unless ``--vllm-memory``), puts vLLM to sleep
-during each update as the trainer does, checks that vLLM serves bf16 under bf16-mixed and that it
-generates again after waking; on a machine with two GPUs it then runs two DDP ranks, each with
-its own engine. MFU counts 6·params·tokens for the student's forward and backward over the real
-(unpadded) tokens of the batch, against ``--peak-tflops``
-(default: 989, an H100/H200's dense bf16 peak; none is printed on a CPU unless given).
+runs two DDP ranks on gloo, each with its own engine. ``benchmarks/gpu_check.sh`` wraps the first
+line with vLLM colocated on the GPU (``--engine vllm --vllm-sleep``): it prints the share of the
+GPU vLLM was given (``rollout.vllm_gpu_memory_utilization``, 'auto' unless ``--vllm-memory``),
+puts vLLM to sleep during each update as the trainer does, checks that vLLM serves bf16 under
+bf16-mixed and that it generates again after waking; on a machine with two GPUs it then runs two
+DDP ranks, each with its own engine. MFU counts 6·params·tokens for the student's forward and
+backward over the real (unpadded) tokens of the batch, against ``--peak-tflops`` (default: 989, an
+H100/H200's dense bf16 peak; none is printed on a CPU unless given).
 """
 
 from __future__ import annotations
