@@ -87,9 +87,10 @@ def test_presets_have_the_documented_sizes(tiny_tokenizer):
     assert models.count_parameters(tiny) < models.count_parameters(small)
 
 
-def test_lopd_loads_print_no_progress_bar_and_raise_no_future_warning(capfd, recwarn):
-    """The demo's output is lopd's own stages: transformers' per-load "Loading weights" bar is off
-    while lopd loads a model (and as it was after), and neither the composer's LoRA wrapping (peft
+def test_lopd_loads_print_no_progress_bar_and_raise_no_future_warning(capfd, recwarn,
+                                                                       tmp_path):
+    """The demo's output is lopd's own stages: transformers' "Loading weights" and "Writing model
+    shards" bars are off while lopd loads or saves a model (and as they were after), and neither the composer's LoRA wrapping (peft
     reads the model's deprecated ``is_gradient_checkpointing``) nor turning on activation
     checkpointing warns."""
     from transformers.utils import logging as hf_logging
@@ -106,9 +107,11 @@ def test_lopd_loads_print_no_progress_bar_and_raise_no_future_warning(capfd, rec
         student, _ = models.load_model("toolworld-1m")
         models.enable_activation_checkpointing(student)
         assert student.is_activation_checkpointing
+        models.save_model(model, tokenizer, tmp_path / "saved")
         assert hf_logging.is_progress_bar_enabled()
     finally:
         if not was_enabled:
             hf_logging.disable_progress_bar()
-    assert "Loading weights" not in capfd.readouterr().err
+    err = capfd.readouterr().err
+    assert "Loading weights" not in err and "Writing model shards" not in err
     assert [str(w.message) for w in recwarn if issubclass(w.category, FutureWarning)] == []

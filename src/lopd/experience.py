@@ -266,7 +266,7 @@ def load_embedder(spec: EmbedderSpec, batch_size: int = 32, device: torch.device
         raise BankError(f"embedder {spec.describe()}: {path} is not a local model folder (no "
                         "config.json); the bank only loads local files")
     tokenizer = models.load_tokenizer(path, trust_remote_code=trust_remote_code)
-    with models.quiet_loading():
+    with models.quiet_progress():
         model = AutoModel.from_pretrained(str(path), local_files_only=True,
                                           trust_remote_code=trust_remote_code).to(device).eval()
     return TransformersEmbedder(spec, model, tokenizer, batch_size=batch_size)

@@ -193,11 +193,12 @@ def resolve_model_path(name_or_path: str | Path) -> str:
 
 
 @contextlib.contextmanager
-def quiet_loading():
-    """transformers' "Loading weights" progress bar off for the loads inside, then as it was.
+def quiet_progress():
+    """transformers' progress bars ("Loading weights", "Writing model shards") off for the loads
+    and saves inside, then as they were.
 
-    lopd loads its models many times in a run (the student, the frozen base, the embedder, every
-    evaluation); a bar at each load would bury lopd's own stages in the output."""
+    lopd loads and saves its models many times in a run (the student, the frozen base, the
+    embedder, every evaluation and checkpoint); a bar at each would bury lopd's own stages."""
     from transformers.utils import logging as hf_logging
 
     enabled = hf_logging.is_progress_bar_enabled()
@@ -238,7 +239,7 @@ def load_model(name_or_path: str | Path, device: torch.device | str = "cpu",
     """Load a causal LM and its tokenizer from a local folder or an embedded model name."""
     path = resolve_model_path(name_or_path)
     tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
-    with quiet_loading():
+    with quiet_progress():
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
                                                      trust_remote_code=trust_remote_code)
     model.to(device)
@@ -250,7 +251,8 @@ def load_model(name_or_path: str | Path, device: torch.device | str = "cpu",
 def save_model(model, tokenizer, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    with quiet_progress():
+        model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
 

@@ -408,7 +408,8 @@ class Trainer:
         if self.wrapped is not None and self.wrapped.parallel == "fsdp2":
             state = distributed.full_state_dict(self.wrapped, self.world)  # collective
             if self.world.is_main:
-                student.save_pretrained(folder / "student", state_dict=state)
+                with models.quiet_progress():
+                    student.save_pretrained(folder / "student", state_dict=state)
                 tokenizer.save_pretrained(folder / "student")
             return
         if not self.world.is_main:
