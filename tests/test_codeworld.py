@@ -9,7 +9,7 @@ import pytest
 from lopd.envs import get_env
 from lopd.envs.environment import FinalAnswer, Malformed
 from lopd.envs.codegen import extract_code, fence, pass_at_k
-from lopd.envs.codeworld import CodeWorld, assemble
+from lopd.envs.codeworld import CodeWorld, assemble, call_text
 from lopd.envs.codeworld.problems import TEMPLATES, expected_values
 
 SIZES = {"eval": 24, "train": 60, "pretrain": 20}
@@ -105,8 +105,9 @@ def test_partial_answers_get_the_fraction_or_nothing_when_binary(world):
                   f"    return {first['expected']!r} if list(args) == {first['args']!r} else None")
     _, verdict = answer(world, task, table)
     passed = sum(ok for _, ok in verdict.checks)
-    assert 1 <= passed < len(task.meta["tests"])
-    assert verdict.reward == pytest.approx(passed / len(task.meta["tests"])) and not verdict.success
+    hidden = len(task.meta["tests"]) - 1  # the worked example is shown, not scored
+    assert len(verdict.checks) == hidden and 1 <= passed < hidden
+    assert verdict.reward == pytest.approx(passed / hidden) and not verdict.success
     assert answer(CodeWorld(sizes=SIZES, reward="binary"), task, table)[1].reward == 0.0
 
 
@@ -125,7 +126,12 @@ def test_multi_turn_feeds_back_failing_tests_then_scores_the_last_answer():
     first = episode.step(FinalAnswer(fence(f"def {task.meta['entry_point']}(*args):\n"
                                            "    return 'wrong'")))
     assert not first.done and first.info["role"] == "user"
-    assert "returned \"wrong\", expected" in first.observation
+    example = task.meta["tests"][-1]
+    assert first.observation.startswith("0/7 hidden tests passed.")
+    assert (f"returned 'wrong', expected {example['expected']!r}." in first.observation)
+    # The hidden tests appear only as a count: none of their calls is in the feedback.
+    assert not any(call_text(task.meta["entry_point"], t["args"]) in first.observation
+                   for t in task.meta["tests"][:-1])
     second = episode.step(FinalAnswer(task.oracle_texts()[0]))
     assert second.done and second.reward == 1.0 and episode.verify().success
 

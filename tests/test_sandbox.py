@@ -32,10 +32,9 @@ def test_wrong_answers_fail_and_partial_credit_is_counted():
     assert [o.passed for o in report.outcomes] == [False, True, True]
     assert report.outcomes[0].error == "wrong value" and report.outcomes[0].value == "2"
     assert report.fraction == pytest.approx(2 / 3)
-    assert "add(1, 2) returned 2, expected 3" in report.feedback(TESTS)
 
 
-def test_values_are_compared_as_json_so_equality_tricks_fail():
+def test_values_are_compared_as_plain_data_so_equality_tricks_fail():
     always_equal = ("class Anything(int):\n    def __eq__(self, other):\n        return True\n"
                     "def add(a, b):\n    return Anything(7)\n")
     assert_failed(run(always_equal, TESTS[:2]))
@@ -321,25 +320,37 @@ def test_the_channel_parser_never_raises_on_random_or_deep_input():
     import json
     import random
 
-    from lopd.envs.sandbox import _value, parse_record
+    from lopd.envs.sandbox import _Calls, _value, parse_record
 
     rng = random.Random(0)
     samples = [bytes(rng.randrange(256) for _ in range(rng.randrange(64))) for _ in range(2000)]
-    samples += [b"[" * n + b"\n" for n in (10, 1000, 100000)]
-    samples += [b'{"a":' * n + b"1" + b"}" * n + b"\n" for n in (10, 5000)]
-    samples += [json.dumps({"results": [{"value": "[" * 3000}]}).encode() + b"\n",
-                b'{"results": null}\n', b"\xff\xfe\n", b"{}\n{}\n", b"\n", b""]
+    samples += [b"[" * n for n in (10, 1000, 100000)]
+    samples += [b'{"a":' * n + b"1" + b"}" * n for n in (10, 5000)]
+    samples += [b'{"results": null}', b"\xff\xfe", b"{}{}", b"", b"1" * 5000]
     for data in samples:
         record, why = parse_record(data)
         assert (record is None) == bool(why)
     values = ["[" * 100000, '{"$": "tuple", "v": 5}', '{"$": "dict", "v": [[1]]}',
               '{"$": "float", "v": "1e999"}', '{"$": "bytes", "v": "zz"}', "NaN", "1" * 5000,
-              '{"$": "set", "v": [[1]]}', '{"$": "complex", "v": ["a", 1]}', '"ok"']
+              '{"$": "set", "v": [[1]]}', '{"$": "complex", "v": ["a", 1]}', '"ok"',
+              '{"$": "iter", "v": {}}', '{"$": "dict", "v": [[[1], 2]]}', '{"$": "x", "v": []}',
+              '{"$": "tuple", "v": [], "w": 1}', '{"$": "bytes", "v": "abc"}']
     for text in values:
-        value, _, why = _value({"value": text})
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError):
+            continue
+        _, _, why = _value({"value": data})
         assert why in ("", "malformed result")
-    for junk in (None, 3, [], {"value": 3}, {"error": 3}, {"value": "1", "error": "x"}):
-        assert _value(junk)[2] == "malformed result" or junk == {"error": 3}
+    # Any sequence of records: the protocol accepts or refuses each, never raises.
+    junk = [{}, {"ready": 3}, {"ready": ""}, {"begin": 0}, {"begin": 1}, {"i": 0}, {"i": 0,
+            "value": 1}, {"i": 0, "error": 3}, {"i": 0, "error": "x", "value": 1}, {"i": "0"}]
+    for _ in range(500):
+        protocol = _Calls(0, 2, 1.0, 1e12)
+        for record in rng.choices(junk, k=6):
+            if not protocol.feed(record):
+                break
+        assert protocol.deadline() <= 1e12
 
 
 def test_plain_data_round_trips_exact_types_and_refuses_the_rest():

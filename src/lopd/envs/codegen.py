@@ -6,6 +6,11 @@ writes (a fenced block, bare code, or text around it) is read by :func:`extract_
 task's preamble and run against the task's tests in :mod:`lopd.envs.sandbox`. Single-turn by
 default; with ``attempts > 1`` a failing answer is answered with test feedback (as a user message)
 and the agent may try again, the last answer being scored.
+
+Feedback shows what a grader shows a contestant: the visible examples (the ones in the prompt,
+never scored) with the answer's value and the expected one, and of the hidden, scored tests only
+how many passed — never their inputs or expected values, which an answer that computes nothing
+could copy into its next attempt. It is capped at :data:`FEEDBACK_CHARS`.
 """
 
 from __future__ import annotations
@@ -15,10 +20,12 @@ import re
 from collections.abc import Callable
 
 from lopd.envs.environment import Action, Episode, StepResult, Task, ToolCall, Verdict
-from lopd.envs.sandbox import Limits, Report, run
+from lopd.envs.sandbox import Limits, Report, TestOutcome, run
 
 _FENCE = re.compile(r"```[ \t]*(?:python|py|Python)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
 REWARDS = ("fraction", "binary")
+FEEDBACK_CHARS = 1000
+"""The most characters one feedback message may have (values in it are cut to 200)."""
 
 
 def extract_code(text: str) -> str:
@@ -44,27 +51,33 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 class CodeEpisode(Episode):
-    """One code task: each answer is run against the tests; the episode ends when all pass or the
+    """One code task: each answer is run against the scored ``tests`` (and the visible
+    ``examples``, which are not scored); the episode ends when all scored tests pass or the
     attempts are used up."""
 
     code_answers = True
 
     def __init__(self, task: Task, messages: list[dict], program: Callable[[str], str],
                  tests: list[dict], limits: Limits, reward: str = "fraction", attempts: int = 1,
-                 score: bool = True):
+                 score: bool = True, examples: list[dict] | None = None):
         if reward not in REWARDS:
             raise ValueError(f"reward must be one of {REWARDS}, got {reward!r}")
         if attempts < 1:
             raise ValueError(f"attempts must be >= 1, got {attempts}")
+        if not tests:
+            raise ValueError(f"task {task.task_id} has no scored test")
         self.task = task
         self._messages = messages
         self._program = program
         self.tests = tests
+        self.examples = list(examples or [])
         self.limits = limits
         self.reward = reward
         self.attempts = attempts
         self.score = score
         self.report: Report | None = None
+        self.outcomes: list[TestOutcome] = []
+        """The scored tests' outcomes of the last answer."""
         self.answers = 0
 
     def messages(self) -> list[dict]:
@@ -75,19 +88,42 @@ class CodeEpisode(Episode):
         self.answers += 1
         if not self.score:
             return StepResult(None, 0.0, True, {"status": "not scored"})
-        self.report = run(self._program(extract_code(text)), self.tests, self.limits)
-        if self.report.all_passed or self.answers >= self.attempts:
+        self.report = run(self._program(extract_code(text)), self.examples + self.tests,
+                          self.limits)
+        self.outcomes = self.report.outcomes[len(self.examples):]
+        if all(o.passed for o in self.outcomes) or self.answers >= self.attempts:
             return StepResult(None, self.verify().reward, True,
                               {"status": self.report.status})
-        return StepResult(self.report.feedback(self.tests), 0.0, False,
+        return StepResult(self.feedback(), 0.0, False,
                           {"role": "user", "status": self.report.status})
+
+    def feedback(self) -> str:
+        """The last answer's feedback: the scored tests as a count, the examples in full."""
+        report = self.report
+        passed = sum(o.passed for o in self.outcomes)
+        lines = [f"{passed}/{len(self.outcomes)} hidden tests passed" + (
+            "" if report.status == "completed" else f" ({report.status})") + "."]
+        for test, outcome in zip(self.examples, report.outcomes):
+            what = _cut(test.get("call") or "the example", 200)
+            if outcome.passed:
+                lines.append(f"Example {what} passed.")
+            elif outcome.error == "wrong value":
+                lines.append(f"Example {what} returned {_cut(outcome.value or '', 200)}, "
+                             f"expected {_cut(repr(test['expected']), 200)}.")
+            else:
+                lines.append(f"Example {what} failed: {_cut(outcome.error, 120)}.")
+        return _cut("\n".join(lines), FEEDBACK_CHARS)
 
     def verify(self) -> Verdict:
         if self.report is None:
             return Verdict(0.0, False, [("answered", False)])
-        outcomes = self.report.outcomes
         checks = [(test.get("call") or f"test {i}", o.passed)
-                  for i, (test, o) in enumerate(zip(self.tests, outcomes))]
-        success = self.report.all_passed
-        reward = float(success) if self.reward == "binary" else self.report.fraction
+                  for i, (test, o) in enumerate(zip(self.tests, self.outcomes))]
+        success = bool(self.outcomes) and all(o.passed for o in self.outcomes)
+        fraction = sum(o.passed for o in self.outcomes) / len(self.tests)
+        reward = float(success) if self.reward == "binary" else fraction
         return Verdict(reward, success, checks)
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."

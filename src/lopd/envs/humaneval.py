@@ -5,9 +5,10 @@ Prompting is the usual one for chat models: no system prompt, one user message a
 the function, with the problem's prompt (signature and docstring) in a fenced block. The answer's
 code (:func:`lopd.envs.codegen.extract_code`) is appended to the prompt, so both a whole function
 (it replaces the stub) and a bare body (it completes it) run; then the problem's official ``check``
-judges it: :mod:`lopd.envs.sandbox` records the calls ``check`` makes on the canonical solution,
-the sandboxed answer computes its outputs on them, and ``check`` is replayed on those outputs in a
-trusted process (it passes when no assertion fails).
+judges it: :mod:`lopd.envs.sandbox` records the calls ``check`` makes on the canonical solution
+(all 164 at once, the first time the tasks are asked for, so a reference that fails in the sandbox
+is a start-up error), the sandboxed answer computes its outputs on them, and ``check`` is replayed
+on those outputs in a trusted process (it passes when no assertion fails).
 Reward = success = all of ``check`` passes. ``lopd eval --env humaneval`` reports pass@1 (greedy
 by default) and, with ``--samples N`` at a temperature, the unbiased pass@k for k <= N.
 
@@ -24,7 +25,7 @@ from importlib import resources
 
 from lopd.envs.environment import Environment, Task
 from lopd.envs.codegen import CodeEpisode, fence
-from lopd.envs.sandbox import Limits
+from lopd.envs.sandbox import Limits, record_checks
 
 INSTRUCTION = "Complete the following Python function:\n"
 
@@ -51,11 +52,22 @@ class HumanEval(Environment):
         # seed and sizes are accepted for a uniform constructor; HumanEval is a fixed set.
         self.limits = limits or Limits(wall_seconds=20.0, test_seconds=10.0)
         self._tasks = [self._task(p) for p in problems()]
+        self._recorded = False
 
     def tasks(self, split: str) -> list[Task]:
         if split not in self.splits:
             raise ValueError(f"HumanEval has one split, 'eval'; got {split!r}")
+        if not self._recorded:
+            record_checks([self.check_test(t) for t in self._tasks], self.limits)
+            self._recorded = True
         return self._tasks
+
+    @staticmethod
+    def check_test(task: Task) -> dict:
+        """The sandbox test of a task: its official ``check`` beside the canonical solution."""
+        meta = task.meta
+        return {"check": meta["test"], "entry_point": meta["entry_point"],
+                "reference": meta["prompt"] + meta["solution"]}
 
     @staticmethod
     def _task(problem: dict) -> Task:
@@ -67,11 +79,9 @@ class HumanEval(Environment):
 
     def reset(self, task: Task) -> CodeEpisode:
         meta = task.meta
-        tests = [{"check": meta["test"], "entry_point": meta["entry_point"],
-                  "reference": meta["prompt"] + meta["solution"]}]
         return CodeEpisode(task, [{"role": "user", "content": task.instruction}],
-                           lambda code: meta["prompt"] + "\n" + code, tests, self.limits,
-                           reward="binary")
+                           lambda code: meta["prompt"] + "\n" + code, [self.check_test(task)],
+                           self.limits, reward="binary")
 
     def stats(self, split: str) -> dict:
         return {"tasks": len(self.tasks(split)), "domains": {"humaneval": len(self._tasks)}}

@@ -3,53 +3,68 @@
 Each run starts a fresh interpreter (``python -I -S -B -u``) on :mod:`lopd.envs.sandbox_harness`
 inside `bubblewrap <https://github.com/containers/bubblewrap>`_: its own user (``nobody``), PID,
 network (its own loopback only: nothing outside is reachable), IPC and UTS namespaces and
-session; a read-only filesystem holding only the interpreter, its standard library and the
-system's shared libraries (nothing of the project, the virtualenv or the user's files); a private
-tmpfs as work directory; killed with its parent.
+session; a seccomp filter (:data:`DENIED_SYSCALLS`: no new namespaces, no kernel keyring, no
+``bpf``, ``perf_event_open``, ``io_uring``, ``ptrace``, mounts, modules, SysV IPC or
+``memfd_create``); a read-only filesystem holding only the interpreter, its standard library and
+the shared libraries they load (resolved with ``ldd``; nothing of the project, the virtualenv,
+the user's files or the rest of ``/usr/lib``); a private tmpfs of ``Limits.tmpfs_mb`` as work
+directory; killed with its parent. Nothing survives a run: the tmpfs, IPC objects and network
+namespace die with it, and the keyring it could share with the next run is out of reach.
 Inside, the harness sets resource limits (memory, CPU, file size, open files, no core dumps, no
 child processes or threads) and, when the parent is root, drops to ``nobody``; then it runs the
-program. The parent enforces the wall-clock limit by killing the process group and keeps
-only the first ``output_bytes`` of what the program prints.
+program. What the program prints goes to a memory file the parent reads once, at the end
+(``Limits.output_bytes`` of it): a flood costs the parent nothing.
 
 The child never judges. It returns *plain data* (exact builtin types, bounded depth, size and
-count; :func:`lopd.envs.sandbox_harness.encode`) on a private pipe, and a trusted side compares:
+count; :func:`lopd.envs.sandbox_harness.encode`) on a private pipe, one line per call, and a
+trusted side compares:
 
-* ``{"call": "f([1, 2])", "expected": 3}`` — the child reports the value; the parent compares its
-  JSON with the expected value's (codeworld). Expected values never enter the child.
+* ``{"call": "f([1, 2])", "expected": 3}`` — the child reports the value; the parent compares
+  its :func:`~lopd.envs.sandbox_harness.canonical` text with the expected value's: Python's
+  ``==`` for plain data (``21.0 == 21``; a tuple is not a list), except that ``bool`` equals only
+  ``bool``. The parent never builds a set or dict from what the child sent, so no value can make
+  it work harder than reading it. Expected values never enter the child.
 * ``{"check": CODE, "entry_point": "f", "reference": PROGRAM}`` — an official
   ``check(candidate)`` function (HumanEval). A trusted run of ``check`` against a recorder around
-  the reference solution records every call's arguments (cached per problem); the untrusted child
-  computes the candidate's outputs on those arguments; a trusted run of ``check`` (beside the
-  reference, which ``check`` may call by name) answers each call of ``candidate`` with those
-  outputs, as plain data, and its assertions decide.
+  the reference solution records every call's arguments (:func:`record_checks`, once per problem,
+  at start-up); the untrusted child computes the candidate's outputs on those arguments; a
+  trusted run of ``check`` (beside the reference, which ``check`` may call by name) answers each
+  call of ``candidate`` with those outputs, as plain data, and its assertions decide.
   A ``check`` whose calls depend on earlier outputs still works when the candidate's outputs
   equal the reference's; a call the recording does not hold fails.
 
 So there is no verdict for a program to forge: what it writes on the channel are outputs, worth
 exactly as much as computing them. Every read of the channel is bounded and caught: malformed
-content is a failed answer with a reason, never an exception in the parent.
+content fails the calls it claims, never raises in the parent.
+
+Time: each call has ``Limits.test_seconds``. The child's own alarm ends a slow call and moves on;
+a program that removes the alarm (or catches what it raises) is timed from outside: the parent
+kills the process when a call overruns, records that call as ``timeout`` and starts a new child
+for the calls left. ``Limits.wall_seconds`` bounds the whole run, restarts included.
 
 Where bubblewrap is missing or cannot create namespaces, :func:`run` refuses (one line saying why
 and how to install it) unless the weaker mode is opted into with :func:`allow_unsafe_fallback`
 (the ``env.unsafe_sandbox_without_bubblewrap`` setting): the same harness then confines itself
-(a private network namespace where the kernel allows it, the drop to ``nobody`` as root, an audit
-hook blocking process creation, sockets and writes outside the work directory), which a
-determined program can get around.
+(a private network namespace where the kernel allows it, the drop to ``nobody`` as root, the same
+seccomp filter, an audit hook blocking process creation, sockets and writes outside the work
+directory), which a determined program can get around.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
-import hashlib
 import json
 import os
-import shutil
+import re
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -61,28 +76,46 @@ from lopd.envs import sandbox_harness as harness
 
 HARNESS = Path(harness.__file__)
 STATUSES = ("completed", "timeout", "killed", "no_result", "malformed")
-"""completed: the child reported every call; timeout: past the wall-clock limit, killed; killed:
-ended by a signal (memory, CPU time, file size); no_result: exited without reporting (``sys.exit``
-or ``os._exit`` at load time, a crash); malformed: what it wrote on the channel is not a record."""
-CHANNEL_BYTES = 4 * harness.MAX_BYTES
-"""The most the parent reads from the channel; past it, the answer is malformed."""
+"""completed: every call has an outcome (a call the parent had to kill is one: ``timeout``);
+timeout: the run's wall clock ran out, killed; killed: ended by a signal (memory, CPU time);
+no_result: exited without reporting (``sys.exit`` or ``os._exit`` at load time, a crash);
+malformed: what it wrote on the channel is not the protocol."""
+CHANNEL_BYTES = harness.RUN_VALUE_BYTES + (1 << 20)
+"""The most the parent reads from one child's channel (the values' budget and the records around
+them); past it, the calls not yet reported are malformed."""
+LINE_OVERHEAD = 256
+"""What one call's record may add to the channel besides its value."""
+START_SECONDS = 5.0
+"""What starting bubblewrap and the interpreter may take before the program's load is timed."""
+GRACE = 0.5
+"""How far past ``test_seconds`` a call may run before the parent kills it (the child's own alarm
+comes first for any program that leaves it alone)."""
 INSTALL = "apt-get install bubblewrap (Debian/Ubuntu; `make` does it as root)"
+INSTALL_SECCOMP = ("the seccomp library is missing: apt-get install libseccomp2 (Debian/Ubuntu) "
+                   "and pip install pyseccomp")
 
 
 class SandboxUnavailable(RuntimeError):
     """Untrusted code cannot be isolated on this machine and the weaker mode was not chosen."""
 
 
+class SandboxSetupError(ValueError):
+    """A trusted part of judging (a reference solution and its check) fails in the sandbox."""
+
+
 @dataclass(frozen=True)
 class Limits:
     wall_seconds: float = 20.0
-    """The whole child process, start-up included."""
+    """The whole run, start-up and restarts included."""
     test_seconds: float = 4.0
     """Loading the program, and each call."""
     cpu_seconds: int = 20
     memory_mb: int = 1024
     """Address space of the child (RLIMIT_AS)."""
+    tmpfs_mb: int = 64
+    """The private ``/tmp`` (the work directory): host memory, so part of the run's budget."""
     file_size_mb: int = 8
+    """The largest file the child may write, what it prints included."""
     output_bytes: int = 16_384
     """What the program prints (stdout and stderr together) is kept up to this many bytes."""
     max_open_files: int = 64
@@ -92,6 +125,12 @@ class Limits:
             if value <= 0:
                 raise ValueError(f"sandbox limit {key} must be > 0, got {value}")
 
+    @property
+    def host_mb(self) -> int:
+        """The most host memory one run can hold: its address space, its tmpfs and the memory
+        file its output goes to."""
+        return self.memory_mb + self.tmpfs_mb + self.file_size_mb
+
 
 @dataclass
 class TestOutcome:
@@ -100,7 +139,7 @@ class TestOutcome:
     """Why it failed: an exception name (``AssertionError``, ``timeout``, ``load:SyntaxError``),
     ``wrong value``, ``unencodable:...`` (not plain data), or the run's status."""
     value: str | None = None
-    """For ``call`` tests: the JSON of the value the program returned."""
+    """For ``call`` tests: the value the program returned, as a Python literal (cut)."""
 
 
 @dataclass
@@ -116,7 +155,8 @@ class Report:
     "unknown" when the child did not report."""
     exit_code: int | None = None
     meta: dict = field(default_factory=dict)
-    """``isolation``: "bubblewrap" or "unsafe fallback"; ``reason``: why a run was malformed."""
+    """``isolation``: "bubblewrap" or "unsafe fallback"; ``reason``: why a run was malformed;
+    ``restarts``: children started again after a call the parent killed."""
 
     @property
     def passed(self) -> int:
@@ -134,29 +174,10 @@ class Report:
     def all_passed(self) -> bool:
         return bool(self.outcomes) and self.passed == self.total
 
-    def feedback(self, tests: list[dict], max_items: int = 3) -> str:
-        """A short text for the model: the status and the first failing tests."""
-        if self.all_passed:
-            return f"All {self.total} tests passed."
-        lines = [f"{self.passed}/{self.total} tests passed" + (
-            "" if self.status == "completed" else f" ({self.status})") + "."]
-        for test, outcome in list(zip(tests, self.outcomes))[:len(tests)]:
-            if len(lines) > max_items:
-                break
-            if outcome.passed:
-                continue
-            what = test.get("call") or "the test"
-            if outcome.error == "wrong value" and "expected" in test:
-                lines.append(f"{what} returned {outcome.value}, expected "
-                             f"{json.dumps(test['expected'])}")
-            else:
-                lines.append(f"{what} failed: {outcome.error}")
-        return "\n".join(lines)
-
 
 def canonical(value) -> str:
-    """The JSON text two values are compared by."""
-    return json.dumps(value, sort_keys=True)
+    """The text a trusted value is compared by (:func:`lopd.envs.sandbox_harness.canonical`)."""
+    return harness.canonical(harness.encode(value))
 
 
 def _check_tests(tests: list[dict]) -> None:
@@ -186,36 +207,120 @@ def allow_unsafe_fallback(allowed: bool) -> None:
     _UNSAFE["allowed"] = bool(allowed)
 
 
+DENIED_SYSCALLS = (
+    # New namespaces: a user namespace gives full capabilities inside it, over mounts among others.
+    "unshare", "setns", "clone", "clone3", "fork", "vfork",
+    # Kernel keyrings outlive the process (one run could leave a key for the next).
+    "keyctl", "add_key", "request_key",
+    # Large kernel attack surfaces no pure-Python answer needs.
+    "bpf", "perf_event_open", "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "userfaultfd", "ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd",
+    "pidfd_open", "personality", "syslog", "lookup_dcookie", "fanotify_init", "quotactl",
+    "quotactl_fd", "acct", "uselib", "ustat", "sysfs", "vhangup", "iopl", "ioperm",
+    "open_by_handle_at", "name_to_handle_at",
+    # Filesystems and mounts.
+    "mount", "umount2", "pivot_root", "chroot", "mount_setattr", "move_mount", "open_tree",
+    "fsopen", "fsconfig", "fsmount", "fspick",
+    # The machine itself.
+    "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load", "reboot",
+    "swapon", "swapoff", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
+    "sethostname", "setdomainname", "mbind", "set_mempolicy", "migrate_pages", "move_pages",
+    # Memory outside the address-space limit: memory files and SysV IPC objects hold pages that
+    # RLIMIT_AS does not count until mapped.
+    "memfd_create", "memfd_secret", "shmget", "shmat", "shmctl", "shmdt", "msgget", "msgsnd",
+    "msgrcv", "msgctl", "semget", "semop", "semtimedop", "semctl", "mq_open", "mq_unlink",
+    "mq_timedsend", "mq_timedreceive", "mq_notify", "mq_getsetattr")
+"""The system calls a sandboxed process gets ``EPERM`` for (``clone3``: ``ENOSYS``, as Docker
+does, so that a C library falls back to ``clone``, which is denied). A deny-list in the style of
+Docker's and nsjail's profiles, on top of ``nobody``'s missing capabilities and the resource
+limits: an allow-list would have to follow every interpreter's start-up, and this list closes
+what the hostile corpus reached. Calls of other architectures (i386, x32) are killed."""
+
+
+@functools.lru_cache(maxsize=1)
+def seccomp_program() -> bytes:
+    """The BPF program of the filter, built by libseccomp (through ``pyseccomp``)."""
+    try:
+        import pyseccomp as seccomp
+    except (ImportError, OSError, AttributeError) as exc:
+        raise SandboxUnavailable(f"untrusted code is not run: {INSTALL_SECCOMP} ({exc})") from None
+    denied = seccomp.SyscallFilter(seccomp.ALLOW)
+    for name in DENIED_SYSCALLS:
+        action = seccomp.ERRNO(errno.ENOSYS if name == "clone3" else errno.EPERM)
+        try:
+            denied.add_rule(action, name)
+        except (OSError, ValueError, RuntimeError):
+            pass  # a call this architecture or libseccomp version does not have
+    with tempfile.TemporaryFile() as handle:
+        denied.export_bpf(handle)
+        handle.seek(0)
+        return handle.read()
+
+
+def _filter_fd() -> int:
+    """A pipe's read end holding the filter, for bubblewrap's ``--seccomp FD``."""
+    program = seccomp_program()
+    read_fd, write_fd = os.pipe()
+    try:
+        os.write(write_fd, program)  # a few hundred bytes: the pipe's buffer holds them
+    finally:
+        os.close(write_fd)
+    return read_fd
+
+
+_LDD = re.compile(r"(?:=>\s*)?(/\S+)\s+\(0x[0-9a-f]+\)")
+
+
+def shared_libraries(files: list[str]) -> list[str]:
+    """Every shared library the given executables and extension modules load (``ldd``), as the
+    paths the loader looks them up by."""
+    ldd = shutil.which("ldd")
+    if ldd is None:
+        raise SandboxUnavailable("untrusted code is not run: ldd is missing (it names the shared "
+                                 "libraries the sandbox binds): apt-get install libc-bin")
+    found: set[str] = set()
+    for start in range(0, len(files), 64):
+        done = subprocess.run([ldd, *files[start:start + 64]], capture_output=True, text=True,
+                              env={"LC_ALL": "C", "PATH": "/usr/bin:/bin"})
+        found.update(_LDD.findall(done.stdout))
+    return sorted(path for path in found if os.path.exists(path))
+
+
 def _binds() -> list[str]:
-    """bubblewrap's read-only view: the interpreter, its standard library (its site-packages
-    hidden), libpython and the system's shared libraries (their Python packages hidden). Every
-    directory above a bound path is created world-readable, so the child's unprivileged user
-    can reach what is bound (``/root`` itself is not)."""
+    """bubblewrap's read-only view: the interpreter, its standard library without
+    ``site-packages``, and the shared libraries they load (each at the path the loader uses,
+    holding the file it resolves to). Every directory above a bound path is created
+    world-readable, so the child's unprivileged user can reach what is bound (``/root`` itself
+    is not)."""
     python = os.path.realpath(sys.executable)
     stdlib = sysconfig.get_paths()["stdlib"]
-    binds = [python, stdlib]
-    libpython = Path(sysconfig.get_config_var("LIBDIR") or "") / (
-        sysconfig.get_config_var("INSTSONAME") or "-")
-    if libpython.is_file() and not str(libpython).startswith(stdlib):
-        binds.append(str(libpython))
-    links = []
-    for lib in ("/usr/lib", "/usr/lib64", "/lib", "/lib64"):
-        if Path(lib).is_symlink():
-            links += ["--symlink", os.readlink(lib), lib]
-        elif Path(lib).is_dir():
-            binds.append(lib)
-    made, args = set(), []
-    for path in [*binds, HARNESS_IN_SANDBOX]:
+    dynload = Path(sysconfig.get_config_var("DESTSHARED") or Path(stdlib) / "lib-dynload")
+    modules = sorted(str(p) for p in dynload.glob("*.so")) if dynload.is_dir() else []
+    libraries = [lib for lib in shared_libraries([python, *modules])
+                 if not os.path.realpath(lib).startswith(stdlib + os.sep)]
+    # The loader finds libraries through /lib, /lib64 and /usr/lib: keep the system's symlinks
+    # between them (merged /usr), so a library is where both its names lead.
+    links, made, args = [], set(), []
+    for top in ("/lib", "/lib64"):
+        if Path(top).is_symlink():
+            links += ["--symlink", os.readlink(top), top]
+            made.add(top)
+    targets = {}
+    for lib in libraries:
+        at = os.path.join(os.path.realpath(os.path.dirname(lib)), os.path.basename(lib))
+        targets[at] = os.path.realpath(lib)
+    paths = [python, stdlib, *targets, HARNESS_IN_SANDBOX]
+    for path in paths:
         for parent in reversed(Path(path).parents[:-1]):
             if str(parent) not in made:
                 made.add(str(parent))
                 args += ["--perms", "0755", "--dir", str(parent)]
-    for path in binds:
-        args += ["--ro-bind", path, path]
-    for hidden in (Path(stdlib) / "site-packages", Path(stdlib) / "dist-packages",
-                   *sorted(Path("/usr/lib").glob("python3*"))):
+    args += ["--ro-bind", python, python, "--ro-bind", stdlib, stdlib]
+    for at, real in targets.items():
+        args += ["--ro-bind", real, at]
+    for hidden in (Path(stdlib) / "site-packages", Path(stdlib) / "dist-packages"):
         if hidden.is_dir():
-            args += ["--tmpfs", str(hidden)]
+            args += ["--tmpfs", str(hidden), "--remount-ro", str(hidden)]
     return args + links
 
 
@@ -226,20 +331,29 @@ HARNESS_IN_SANDBOX = "/lopd/sandbox_harness.py"
 
 @functools.lru_cache(maxsize=2)
 def _bwrap_prefix(bwrap: str) -> tuple[str, ...]:
-    """The bubblewrap command up to the interpreter (the same for every child, so made once).
+    """The bubblewrap command up to the per-run parts (the same for every child, so made once).
 
     As root, the namespaces are made without a user namespace and the harness drops to
     ``nobody`` itself: mapped into a user namespace, root would stay the host's root, whom the
-    process limit does not bind."""
+    process limit does not bind. As another user, ``--unshare-all`` includes a user namespace,
+    and ``--disable-userns`` keeps the program from making another."""
     if os.geteuid() == 0:
         namespaces = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
                       "--unshare-cgroup-try"]
     else:
-        namespaces = ["--unshare-all"]
+        namespaces = ["--unshare-all", "--disable-userns"]
     return (bwrap, *namespaces, "--die-with-parent", "--new-session", *_binds(),
             "--ro-bind", str(HARNESS), HARNESS_IN_SANDBOX, "--proc", "/proc", "--dev", "/dev",
-            "--perms", "1777", "--tmpfs", "/tmp", "--perms", "1777", "--dir", WORKDIR,
-            "--chdir", WORKDIR, "--clearenv", "--setenv", "LC_ALL", "C.UTF-8")
+            "--remount-ro", "/dev")
+
+
+def _bwrap_command(bwrap: str, limits: Limits, filter_fd: int) -> list[str]:
+    # /dev, the root and everything bound are read-only; the only writable place is the
+    # size-bounded /tmp, so what a run writes counts against its budget and dies with it.
+    return [*_bwrap_prefix(bwrap), "--perms", "1777", "--size", str(limits.tmpfs_mb << 20),
+            "--tmpfs", "/tmp", "--perms", "1777", "--dir", WORKDIR, "--remount-ro", "/",
+            "--chdir", WORKDIR, "--clearenv", "--setenv", "LC_ALL", "C.UTF-8",
+            "--seccomp", str(filter_fd)]
 
 
 @functools.lru_cache(maxsize=1)
@@ -249,10 +363,17 @@ def isolation() -> tuple[str | None, str]:
     if bwrap is None:
         return None, f"bubblewrap (bwrap) is not installed; install it with {INSTALL}"
     try:
-        done = subprocess.run([*_bwrap_prefix(bwrap), os.path.realpath(sys.executable), "-I",
-                               "-S", "-c", "pass"], capture_output=True, timeout=30)
+        filter_fd = _filter_fd()
+    except SandboxUnavailable as exc:
+        return None, str(exc).removeprefix("untrusted code is not run: ")
+    try:
+        done = subprocess.run([*_bwrap_command(bwrap, Limits(), filter_fd),
+                               os.path.realpath(sys.executable), "-I", "-S", "-c", "pass"],
+                              capture_output=True, timeout=30, pass_fds=(filter_fd,))
     except (OSError, subprocess.TimeoutExpired) as exc:
         return None, f"bubblewrap could not start a sandbox: {exc}"
+    finally:
+        os.close(filter_fd)
     if done.returncode != 0:
         why = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no message"]
         return None, f"bubblewrap cannot create namespaces on this machine ({why[0]})"
@@ -276,13 +397,93 @@ def check_isolation() -> str:
 
 @dataclass
 class _Child:
-    record: dict | None
     status: str
-    output: str
+    output: bytes
     truncated: bool
     exit_code: int | None
     seconds: float
     reason: str = ""
+
+
+class _Protocol:
+    """What the parent expects on one child's channel: ``feed`` takes each record (False: not
+    the protocol), ``deadline`` is when the next record must have come, ``finished`` says when
+    nothing more is expected."""
+
+    finished = False
+
+    def feed(self, record: dict) -> bool:
+        raise NotImplementedError
+
+    def deadline(self) -> float:
+        raise NotImplementedError
+
+
+class _Single(_Protocol):
+    """One record within the run's wall clock (a trusted replay)."""
+
+    def __init__(self, end: float):
+        self.end, self.record = end, None
+
+    def feed(self, record: dict) -> bool:
+        self.record, self.finished = record, True
+        return True
+
+    def deadline(self) -> float:
+        return self.end
+
+
+class _Calls(_Protocol):
+    """``{"ready": load_error, ...}``, then per call ``{"begin": i}`` and ``{"i": i, "value" |
+    "error": ...}``, in order, for calls ``first`` .. ``count - 1``. Each call (and the load) is
+    timed from its ``begin``: ``limit`` seconds, then the parent kills the child."""
+
+    def __init__(self, first: int, count: int, limit: float, end: float,
+                 expect_ready: bool = True):
+        self.next, self.count, self.limit, self.end = first, count, limit, end
+        self.results: dict[int, dict] = {}
+        self.expect_ready = expect_ready
+        self.ready = not expect_ready
+        self.load_error = ""
+        self.network = None
+        self.running: int | None = None
+        self.started = time.monotonic()
+        self.finished = first >= count
+
+    def feed(self, record: dict) -> bool:
+        if not self.ready:
+            error = record.get("ready")
+            if type(error) is not str or len(error) > 200:
+                return False
+            self.ready, self.load_error, self.network = True, error, record.get("network")
+            self.started = time.monotonic()
+            self.finished = self.finished or bool(error)
+            return True
+        if self.running is None:
+            if record != {"begin": self.next}:
+                return False
+            self.running, self.started = self.next, time.monotonic()
+            return True
+        if record.get("i") != self.running or not self._result(record):
+            return False
+        self.results[self.running] = record
+        self.next, self.running = self.running + 1, None
+        self.finished = self.next >= self.count
+        return True
+
+    def _result(self, record: dict) -> bool:
+        if not self.expect_ready:  # a trusted recording: its own fields, checked by the caller
+            return True
+        return len(record) == 2 and ("value" in record or type(record.get("error")) is str)
+
+    def deadline(self) -> float:
+        if not self.ready:
+            return min(self.end, self.started + START_SECONDS + self.limit)
+        if self.running is None:
+            # Between calls the harness only resets builtins and writes: a child that stalls
+            # there is killed as if it were still in the last call.
+            return min(self.end, self.started + self.limit + START_SECONDS)
+        return min(self.end, self.started + self.limit)
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -294,15 +495,10 @@ def _kill(proc: subprocess.Popen) -> None:
 
 
 def parse_record(data: bytes) -> tuple[dict | None, str]:
-    """The child's one record (a JSON object on one line) or (None, why not); never raises."""
+    """One record of the channel (a JSON object on one line, without its newline) or (None, why
+    not); never raises."""
     try:
-        if len(data) > CHANNEL_BYTES:
-            return None, "channel over its size limit"
-        text = data.decode("utf-8")
-        lines = text.split("\n")
-        if len(lines) != 2 or lines[1] != "":
-            return None, "not exactly one record on the channel"
-        record = json.loads(lines[0])
+        record = json.loads(data.decode("utf-8"))
     except (ValueError, RecursionError, MemoryError, UnicodeError):
         return None, "channel content is not a JSON record"
     if type(record) is not dict:
@@ -310,25 +506,47 @@ def parse_record(data: bytes) -> tuple[dict | None, str]:
     return record, ""
 
 
-def _spawn(job: dict, limits: Limits) -> _Child:
+def _output_file() -> int:
+    """A memory file for the child's stdout and stderr: the parent reads its start once, after
+    the run, so no amount of printing costs the parent anything (its size is bounded by the
+    child's file-size limit)."""
+    try:
+        return os.memfd_create("lopd-sandbox-output", os.MFD_CLOEXEC)
+    except (AttributeError, OSError):
+        handle, path = tempfile.mkstemp(prefix="lopd-sandbox-output-")
+        os.unlink(path)
+        return handle
+
+
+def _spawn(job: dict, limits: Limits, protocol: _Protocol) -> _Child:
     isolation_kind = check_isolation()
     fallback = isolation_kind != "bubblewrap"
     job = {**job, "fallback": fallback, "drop": os.geteuid() == 0}
+    if fallback:
+        try:
+            job["filter"] = seccomp_program().hex()
+        except SandboxUnavailable:
+            job["filter"] = ""
     read_fd, write_fd = os.pipe()
+    output_fd = _output_file()
+    filter_fd = -1
     workdir = tempfile.mkdtemp(prefix="lopd-sandbox-") if fallback else None
     python = os.path.realpath(sys.executable)
     args = [json.dumps(asdict(limits)), str(write_fd)]
     if fallback:
         command = [python, "-I", "-S", "-B", "-u", str(HARNESS), *args]
+        pass_fds = (write_fd,)
     else:
-        command = [*_bwrap_prefix(isolation()[0]), python, "-I", "-S", "-B", "-u",
-                   HARNESS_IN_SANDBOX, *args]
+        filter_fd = _filter_fd()
+        command = [*_bwrap_command(isolation()[0], limits, filter_fd), python, "-I", "-S", "-B",
+                   "-u", HARNESS_IN_SANDBOX, *args]
+        pass_fds = (write_fd, filter_fd)
     start = time.monotonic()
     try:
-        proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, cwd=workdir or "/",
+        proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=output_fd,
+                                stderr=output_fd, cwd=workdir or "/",
                                 env={"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8"},
-                                pass_fds=(write_fd,), start_new_session=True)
+                                pass_fds=pass_fds, start_new_session=True)
         os.close(write_fd)
         write_fd = -1
         try:
@@ -336,115 +554,151 @@ def _spawn(job: dict, limits: Limits) -> _Child:
             proc.stdin.close()
         except BrokenPipeError:
             pass
-        output, truncated, channel, timed_out = _collect(proc, read_fd, limits, start)
+        status, reason = _follow(proc, read_fd, protocol)
         exit_code = proc.returncode
+        output = os.pread(output_fd, limits.output_bytes + 1, 0)
     finally:
-        if write_fd >= 0:
-            os.close(write_fd)
-        os.close(read_fd)
+        for fd in (write_fd, read_fd, output_fd, filter_fd):
+            if fd >= 0:
+                os.close(fd)
         if workdir:
             shutil.rmtree(workdir, ignore_errors=True)
-    seconds = time.monotonic() - start
-    text = output.decode("utf-8", errors="replace")
-    if timed_out:
-        return _Child(None, "timeout", text, truncated, exit_code, seconds)
-    if not channel:
+    if status == "completed" and not protocol.finished:
         status = "killed" if exit_code is not None and exit_code < 0 else "no_result"
-        return _Child(None, status, text, truncated, exit_code, seconds)
-    record, reason = parse_record(channel)
-    return _Child(record, "completed" if record else "malformed", text, truncated, exit_code,
-                  seconds, reason)
+    return _Child(status, output[:limits.output_bytes], len(output) > limits.output_bytes,
+                  exit_code, time.monotonic() - start, reason)
 
 
-def _collect(proc: subprocess.Popen, channel_fd: int, limits: Limits, start: float):
-    """Read the program's output (capped) and the channel (capped) until both close or time is
-    up."""
-    output, channel = bytearray(), bytearray()
-    truncated = timed_out = False
+def _follow(proc: subprocess.Popen, channel_fd: int, protocol: _Protocol) -> tuple[str, str]:
+    """Read the channel record by record until the protocol is done, the child closes it, a
+    deadline passes ("timeout") or it breaks the protocol ("malformed"). The child is dead when
+    this returns."""
+    pending, total = bytearray(), 0
+    status, reason = "completed", ""
     with selectors.DefaultSelector() as selector:
-        selector.register(proc.stdout, selectors.EVENT_READ, "output")
-        selector.register(channel_fd, selectors.EVENT_READ, "channel")
-        while selector.get_map():
-            left = limits.wall_seconds - (time.monotonic() - start)
+        selector.register(channel_fd, selectors.EVENT_READ)
+        while not protocol.finished:
+            left = protocol.deadline() - time.monotonic()
             if left <= 0:
-                timed_out = True
+                status = "timeout"
                 break
-            for key, _ in selector.select(timeout=min(left, 0.5)):
-                chunk = os.read(key.fd, 65536)
-                if not chunk:
-                    selector.unregister(key.fileobj)
-                elif key.data == "output":
-                    room = limits.output_bytes - len(output)
-                    truncated |= len(chunk) > room
-                    output += chunk[:max(room, 0)]
-                elif len(channel) <= CHANNEL_BYTES:
-                    channel += chunk
-    if timed_out:
-        _kill(proc)
-    try:
-        proc.wait(timeout=max(1.0, limits.wall_seconds - (time.monotonic() - start)))
-    except subprocess.TimeoutExpired:
-        _kill(proc)
-        proc.wait()
-        timed_out = True
-    proc.stdout.close()
-    return bytes(output), truncated, bytes(channel), timed_out
+            if not selector.select(timeout=min(left, 0.5)):
+                continue
+            chunk = os.read(channel_fd, 65536)
+            if not chunk:
+                break
+            total += len(chunk)
+            if total > CHANNEL_BYTES:
+                status, reason = "malformed", "channel over its size limit"
+                break
+            pending += chunk
+            while b"\n" in pending and not protocol.finished and status == "completed":
+                line, _, rest = bytes(pending).partition(b"\n")
+                pending = bytearray(rest)
+                record, why = parse_record(line)
+                if record is None or not protocol.feed(record):
+                    status, reason = "malformed", why or "a record out of the protocol"
+            if status != "completed":
+                break
+    if status == "completed" and protocol.finished:
+        # Done: the child only has to exit; give it a moment, then make sure.
+        try:
+            proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            pass
+    _kill(proc)
+    proc.wait()
+    return status, reason
 
 
 # ----------------------------------------------------------------------------------------------
 # Judging, in the parent and in trusted children
 
 
-def _value(result) -> tuple[object, str, str]:
-    """(value, its JSON text, "") of one reported result, or (None, "", why it fails)."""
-    if type(result) is not dict or len(result) != 1:
-        return None, "", "malformed result"
+def _value(result: dict) -> tuple[str, str, str]:
+    """(canonical text, literal, "") of one reported result, or ("", "", why it fails)."""
     if "error" in result:
-        error = result["error"]
-        return None, "", error[:120] if type(error) is str else "malformed result"
-    text = result.get("value")
-    if type(text) is not str or len(text) > harness.MAX_BYTES:
-        return None, "", "malformed result"
+        return "", "", result["error"][:120]
     try:
-        return harness.decode(json.loads(text)), text, ""
+        data = result["value"]
+        return harness.canonical(data), harness.literal(data), ""
     except (ValueError, RecursionError, MemoryError, TypeError, OverflowError):
-        return None, "", "malformed result"
+        return "", "", "malformed result"
 
 
-def _plain_equal(value, expected) -> bool:
-    try:
-        return canonical(value) == canonical(expected)
-    except (TypeError, ValueError, RecursionError):
-        return False
+_RECORDINGS: dict[tuple[str, str, str], tuple[dict, ...]] = {}
+_RECORDING_LOCK = threading.Lock()
 
 
-@functools.lru_cache(maxsize=512)
-def _recording(reference: str, check: str, entry_point: str, limits: Limits) -> tuple:
-    """Every call ``check`` makes on the reference solution (trusted code), or raise."""
-    child = _spawn({"mode": "record", "program": reference, "check": check,
-                    "entry_point": entry_point}, limits)
-    record = child.record or {}
-    if not record.get("passed") or type(record.get("calls")) is not list:
-        raise RuntimeError(f"the reference solution of {entry_point} does not pass its own check "
-                           f"({record.get('error') or child.status})")
-    return tuple(json.dumps(c, sort_keys=True) for c in record["calls"])
+def _recording_key(test: dict) -> tuple[str, str, str]:
+    return test["reference"], test["check"], test["entry_point"]
 
 
-def recorded_calls(test: dict, limits: Limits) -> list[dict]:
-    """The calls a ``check`` test makes, recorded on its reference solution (cached). A failed
-    recording is tried once more (a loaded machine can time a reference out) and then raises: an
-    answer is never scored against a recording that does not exist."""
-    key = (test["reference"], test["check"], test["entry_point"], limits)
-    try:
-        calls = _recording(*key)
-    except RuntimeError:
-        calls = _recording(*key)
-    return [json.loads(c) for c in calls]
+def record_checks(tests: list[dict], limits: Limits | None = None, progress: bool = False,
+                  chunk: int = 24) -> None:
+    """Record the calls every ``check`` test makes on its reference solution (trusted code), a
+    chunk of problems per child, and keep them for :func:`run`. Code environments call this at
+    start-up: a reference that does not pass its own check in the sandbox (limits too tight for
+    it) is one :class:`SandboxSetupError` line naming it, before any answer is scored."""
+    limits = limits or Limits()
+    _check_tests(tests)
+    wanted = list({_recording_key(t): t for t in tests if "check" in t
+                   and _recording_key(t) not in _RECORDINGS}.values())
+    if not wanted:
+        return
+    check_isolation()
+    groups = [wanted[i:i + chunk] for i in range(0, len(wanted), chunk)]
+
+    def record(group: list[dict]) -> list[tuple[dict, dict | None, str]]:
+        problems = [{"program": t["reference"], "check": t["check"],
+                     "entry_point": t["entry_point"]} for t in group]
+        recorded, first, status = {}, 0, "completed"
+        while first < len(group) and len(recorded) < len(group):
+            # Each problem runs its reference and then its check, each within test_seconds.
+            protocol = _Calls(first, len(group), 2 * limits.test_seconds + GRACE,
+                              time.monotonic() + limits.wall_seconds * (len(group) - first),
+                              expect_ready=False)
+            child = _spawn({"mode": "record", "problems": problems[first:], "first": first},
+                           limits, protocol)
+            recorded.update(protocol.results)
+            status = child.status
+            # A problem the parent had to stop fails alone; the rest are tried in a new child.
+            first = protocol.running + 1 if protocol.running is not None else len(group)
+        return [(t, recorded.get(i), status) for i, t in enumerate(group)]
+
+    workers = max(1, min(os.cpu_count() or 1, len(groups), _memory_workers(limits)))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        done = list(tqdm(pool.map(record, groups), total=len(groups), disable=not progress,
+                         desc="recording checks", unit="chunk"))
+    failed = []
+    for test, record, status in (item for group in done for item in group):
+        if record and record.get("passed") is True and type(record.get("calls")) is list:
+            with _RECORDING_LOCK:
+                _RECORDINGS[_recording_key(test)] = tuple(record["calls"])
+        else:
+            why = (record or {}).get("error") or ("timeout" if status == "completed" else status)
+            failed.append(f"{test['entry_point']} ({str(why)[:40]})")
+    if failed:
+        raise SandboxSetupError(
+            f"{len(failed)} reference solution(s) do not pass their own check in the sandbox: "
+            f"{', '.join(failed[:5])}{', ...' if len(failed) > 5 else ''}; the sandbox limits "
+            f"(test_seconds={limits.test_seconds}, memory_mb={limits.memory_mb}) may be too "
+            "tight for them")
+
+
+def recorded_calls(test: dict, limits: Limits | None = None) -> list[dict]:
+    """The calls a ``check`` test makes, recorded on its reference solution (recorded now when
+    :func:`record_checks` has not; :class:`SandboxSetupError` when the reference fails)."""
+    key = _recording_key(test)
+    if key not in _RECORDINGS:
+        record_checks([test], limits)
+    return [dict(c) for c in _RECORDINGS[key]]
 
 
 def run(program: str, tests: list[dict], limits: Limits | None = None) -> Report:
-    """Run ``program`` on every test's calls in one isolated child and judge outside it; never
-    raises on bad programs (only :class:`SandboxUnavailable` when nothing can isolate it)."""
+    """Run ``program`` on every test's calls in an isolated child and judge outside it; never
+    raises on bad programs (only :class:`SandboxUnavailable` when nothing can isolate it, and
+    :class:`SandboxSetupError` when a ``check`` test's reference cannot be recorded)."""
     limits = limits or Limits()
     _check_tests(tests)
     calls, spans, recordings = [], [], []
@@ -460,54 +714,111 @@ def run(program: str, tests: list[dict], limits: Limits | None = None) -> Report
             calls += [{"fn": test["entry_point"], **c} for c in recorded]
             recordings.append(recorded)
     kind = check_isolation()
-    child = _spawn({"mode": "candidate", "program": program, "calls": calls}, limits)
-    results = (child.record or {}).get("results")
-    status, reason = child.status, child.reason
-    if status == "completed" and (type(results) is not list or len(results) != len(calls)):
-        status, reason = "malformed", "the record does not hold one result per call"
+    results, status, reason, network, output, truncated, exit_code, seconds, restarts = \
+        _run_calls(program, calls, limits)
     if kind == "bubblewrap":
         network = "isolated"  # bubblewrap's own network namespace, whatever the child says
     else:
-        network = (child.record or {}).get("network") if status == "completed" else "unknown"
         network = network if network in ("isolated", "shared") else "unknown"
-    seconds = child.seconds
-    if status != "completed":
-        outcomes = [TestOutcome(False, status) for _ in tests]
-    else:
-        outcomes = []
-        for test, (at, n), recorded in zip(tests, spans, recordings):
-            values = [_value(r) for r in results[at:at + n]]
-            if "call" in test:
-                value, text, why = values[0]
-                if why:
-                    outcomes.append(TestOutcome(False, why))
-                else:
-                    same = _plain_equal(value, test["expected"])
-                    outcomes.append(TestOutcome(same, "" if same else "wrong value", text))
-                continue
-            # The replay receives well-formed values re-encoded; anything malformed is an error.
-            outputs = [{"error": why} if why else {"value": text} for _, text, why in values]
-            replay = _spawn({"mode": "replay", "program": test["reference"],
-                             "check": test["check"], "entry_point": test["entry_point"],
-                             "calls": recorded, "outputs": outputs}, limits)
-            seconds += replay.seconds
-            passed = bool(replay.record and replay.record.get("passed") is True)
-            # A failure the candidate raised says more than the assertion it broke.
-            raised = [why for _, _, why in values if why]
-            error = "" if passed else str(raised[0] if raised else (replay.record or {}).get(
-                "error") or replay.status)
-            outcomes.append(TestOutcome(passed, error[:120]))
-    return Report(status, outcomes, child.output, child.truncated, seconds, network,
-                  child.exit_code, {"isolation": kind, **({"reason": reason} if reason else {})})
+    outcomes = []
+    for test, (at, n), recorded in zip(tests, spans, recordings):
+        values = [_value(r) if r is not None else ("", "", status) for r in results[at:at + n]]
+        if "call" in test:
+            text, shown, why = values[0]
+            if why:
+                outcomes.append(TestOutcome(False, why))
+            else:
+                same = text == canonical(test["expected"])
+                outcomes.append(TestOutcome(same, "" if same else "wrong value", shown))
+            continue
+        if any(results[i] is None for i in range(at, at + n)):
+            outcomes.append(TestOutcome(False, status))
+            continue
+        # The replay receives well-formed values; anything malformed is an error.
+        outputs = [{"error": why} if why else {"value": results[at + j]["value"]}
+                   for j, (_, _, why) in enumerate(values)]
+        protocol = _Single(time.monotonic() + limits.wall_seconds)
+        replay = _spawn({"mode": "replay", "program": test["reference"], "check": test["check"],
+                         "entry_point": test["entry_point"], "calls": recorded,
+                         "outputs": outputs}, limits, protocol)
+        seconds += replay.seconds
+        record = protocol.record or {}
+        passed = record.get("passed") is True
+        # A failure the candidate raised says more than the assertion it broke.
+        raised = [why for _, _, why in values if why]
+        error = "" if passed else str(raised[0] if raised else record.get("error")
+                                      or replay.status)
+        outcomes.append(TestOutcome(passed, error[:120]))
+    meta = {"isolation": kind, **({"reason": reason} if reason else {}),
+            **({"restarts": restarts} if restarts else {})}
+    return Report(status, outcomes, output.decode("utf-8", errors="replace"), truncated,
+                  seconds, network, exit_code, meta)
+
+
+def _run_calls(program: str, calls: list[dict], limits: Limits):
+    """Every call's reported result (None where there is none), in as many children as calls the
+    parent had to kill need, within the run's wall clock."""
+    results: list[dict | None] = [None] * len(calls)
+    end = time.monotonic() + limits.wall_seconds
+    output, truncated, network, exit_code = b"", False, None, None
+    status, reason, seconds, first, restarts = "completed", "", 0.0, 0, 0
+    while True:
+        protocol = _Calls(first, len(calls), limits.test_seconds + GRACE, end)
+        child = _spawn({"mode": "candidate", "program": program, "calls": calls[first:],
+                        "first": first}, limits, protocol)
+        seconds += child.seconds
+        output += child.output
+        truncated |= child.truncated or len(output) > limits.output_bytes
+        output = output[:limits.output_bytes]
+        network, exit_code = protocol.network or network, child.exit_code
+        for i, record in protocol.results.items():
+            results[i] = {k: v for k, v in record.items() if k != "i"}
+        if protocol.load_error:
+            for i in range(first, len(calls)):
+                results[i] = {"error": protocol.load_error}
+            return results, "completed", "", network, output, truncated, exit_code, seconds, \
+                restarts
+        status, reason = child.status, child.reason
+        overran = (child.status == "timeout" and protocol.running is not None
+                   and time.monotonic() < end)
+        if not overran:
+            break
+        # The call ran past its time with the child's alarm lifted: it fails alone, and a new
+        # child takes the calls after it.
+        results[protocol.running] = {"error": "timeout"}
+        first, restarts = protocol.running + 1, restarts + 1
+        if first >= len(calls):
+            status = "completed"
+            break
+    if status == "completed" and any(r is None for r in results):
+        status = "no_result"
+    if not protocol.ready and status == "timeout" and time.monotonic() < end:
+        # The load ran past its time: every call fails as the load did.
+        results = [r or {"error": "load:timeout"} for r in results]
+        status = "completed"
+    return results, status, reason, network, output, truncated, exit_code, seconds, restarts
+
+
+def _memory_workers(limits: Limits) -> int:
+    """How many runs fit the host's available memory at once, each at its full budget."""
+    try:
+        with open("/proc/meminfo") as handle:
+            info = dict(line.split(":", 1) for line in handle)
+        available_mb = int(info["MemAvailable"].split()[0]) // 1024
+    except (OSError, KeyError, ValueError):
+        return os.cpu_count() or 1
+    return max(1, available_mb // limits.host_mb)
 
 
 def run_many(jobs: list[tuple[str, list[dict]]], limits: Limits | None = None,
              workers: int | None = None, progress: bool = False, desc: str = "sandbox"
              ) -> list[Report]:
     """:func:`run` for many (program, tests) pairs, ``workers`` children at a time (default: the
-    CPU count); reports in the order of ``jobs``."""
+    CPU count, fewer when their memory budgets, :attr:`Limits.host_mb` each, would not fit the
+    host's available memory); reports in the order of ``jobs``."""
+    limits = limits or Limits()
     check_isolation()
-    workers = workers or os.cpu_count() or 1
+    workers = max(1, min(workers or os.cpu_count() or 1, _memory_workers(limits)))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         futures = [pool.submit(run, program, tests, limits) for program, tests in jobs]
         return [f.result() for f in tqdm(futures, desc=desc, disable=not progress)]

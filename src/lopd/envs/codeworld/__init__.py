@@ -2,11 +2,15 @@
 
 A task asks for one function: a statement, one worked example and the signature (the problem
 templates are in :mod:`lopd.envs.codeworld.problems`). The agent answers with the function (a fenced
-block, as the oracle does); the answer runs against the hidden tests in :mod:`lopd.envs.sandbox`,
-where the tests are ``call`` tests judged in the parent, so a program cannot fake a pass. Reward is
-the fraction of hidden tests passed (``reward="binary"``: 1 only when all pass); success = all pass.
-Single-turn by default; ``attempts > 1`` returns the failing tests as feedback and lets the agent
-try again.
+block, as the oracle does); the answer runs in :mod:`lopd.envs.sandbox` against ``call`` tests
+judged in the parent, so a program cannot fake a pass.
+
+**What is scored**: the problem's hidden tests — every stored test but the worked example, which
+the prompt shows and which therefore earns nothing (an answer that only returns the example's
+output scores 0). Reward is the fraction of hidden tests passed (``reward="binary"``: 1 only when
+all pass); success = all pass. Single-turn by default; ``attempts > 1`` answers a failing answer
+with feedback (:meth:`lopd.envs.codegen.CodeEpisode.feedback`: the example with its expected
+value, the hidden tests only as a count) and lets the agent try again.
 
 Splits: ``eval`` (500), ``train`` (7,000, the paper's count of verified training problems) and
 ``pretrain`` (20,000: the supervised pool of the code base model). **Statements are split, not just
@@ -59,9 +63,14 @@ def hidden_tests(callee: str, tests: list[dict]) -> list[dict]:
     return [{"call": call_text(callee, t["args"]), "expected": t["expected"]} for t in tests]
 
 
+def example_and_hidden(tests: list[dict]) -> tuple[dict, list[dict]]:
+    """(the worked example the prompt shows, the hidden tests that are scored)."""
+    return tests[-1], tests[:-1]
+
+
 def prompt(problem_or_meta) -> str:
     meta = problem_or_meta if isinstance(problem_or_meta, dict) else vars(problem_or_meta)
-    example = meta["tests"][-1]
+    example = example_and_hidden(meta["tests"])[0]
     return (f"{meta['statement']}\nExample: {call_text(meta['entry_point'], example['args'])} "
             f"returns {example['expected']!r}.\n{meta['signature']}")
 
@@ -190,12 +199,14 @@ class CodeWorld(Environment):
 
     def reset(self, task: Task) -> CodeEpisode:
         meta = task.meta
-        tests = hidden_tests(meta["entry_point"], meta["tests"])
+        example, hidden = example_and_hidden(meta["tests"])
         messages = [{"role": "system", "content": SYSTEM_PROMPT},
                     {"role": "user", "content": task.instruction}]
         return CodeEpisode(task, messages,
                            lambda code: assemble(code, meta["entry_point"], meta["signature"]),
-                           tests, self.limits, self.reward, self.attempts, self.score)
+                           hidden_tests(meta["entry_point"], hidden), self.limits, self.reward,
+                           self.attempts, self.score,
+                           examples=hidden_tests(meta["entry_point"], [example]))
 
     def for_transcripts(self) -> CodeWorld:
         """This environment without scoring: the references were verified when the splits were
@@ -227,4 +238,5 @@ class CodeWorld(Environment):
         return [self.transcript(t) for t in tasks[:n]]
 
 
-__all__ = ["CodeWorld", "assemble", "call_text", "extract_code", "hidden_tests", "prompt"]
+__all__ = ["CodeWorld", "assemble", "call_text", "example_and_hidden", "extract_code",
+           "hidden_tests", "prompt"]
