@@ -10,7 +10,7 @@ from lopd.agent import (_CONTENT_PLACEHOLDER, FixedTextPolicy, ModelPolicy, Orac
                         replay_turns, run_episodes, summarize)
 from lopd.envs.environment import (Environment, Episode, FinalAnswer, Malformed, StepResult, Task,
                             ToolCall, Verdict)
-from lopd.models import render
+from lopd.models import quote_special_tokens, render
 from lopd.rollout import Generation, SamplingParams, TransformersEngine
 
 # ----------------------------------------------------------------------------------------------
@@ -226,7 +226,9 @@ def test_malformed_actions_become_error_observations(env, tasks, tiny_tokenizer,
     assert rollout.finish_reason == "max_turns" and rollout.num_turns == 2
     assert [t["observation"] for t in rollout.turns] == [f"Error: {error}"] * 2
     assert [t["kind"] for t in rollout.turns] == ["malformed"] * 2
-    assert rollout.messages[-1] == {"role": "tool", "content": f"Error: {error}"}
+    # The error names the tool-call tags: the model reads them as text, not as its tag tokens.
+    observation = quote_special_tokens(f"Error: {error}", tiny_tokenizer)
+    assert rollout.messages[-1] == {"role": "tool", "content": observation}
     assert_bookkeeping(rollout, tiny_tokenizer)
 
 
@@ -441,9 +443,10 @@ def test_hostile_tool_arguments_never_break_a_toolworld_rollout(value, tiny_toke
         assert [m["role"] for m in rollout.messages] == ["system", "user", "assistant", "tool",
                                                          "assistant"]
         observation = rollout.messages[3]["content"]
-        assert rollout.turns[0]["observation"] == observation
+        assert quote_special_tokens(rollout.turns[0]["observation"], tiny_tokenizer) == observation
         if first == echoed:
-            assert observation == "Error: no customer named " + chat_safe(value)
+            told = "Error: no customer named " + chat_safe(value)
+            assert observation == quote_special_tokens(told, tiny_tokenizer)
         assert_bookkeeping(rollout, tiny_tokenizer, task_tools=task.tools)
         assert_same_tokens_as_the_full_rendering(rollout, tiny_tokenizer, task.tools)
         assert replay_turns(world, task, texts) == rollout.turns
@@ -484,6 +487,7 @@ def test_hostile_environment_text_never_breaks_a_rollout(tiny_tokenizer):
         assert [m["role"] for m in rollout.messages[2:]] == ["assistant", "tool", "assistant",
                                                              "user", "assistant", "tool",
                                                              "assistant"]
-        assert rollout.messages[5]["content"] == "Next request: " + chat_safe(task.meta["note"])
+        assert rollout.messages[5]["content"] == quote_special_tokens(
+            "Next request: " + chat_safe(task.meta["note"]), tiny_tokenizer)
         assert_bookkeeping(rollout, tiny_tokenizer)
         assert_same_tokens_as_the_full_rendering(rollout, tiny_tokenizer, TOOLS)

@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -134,6 +135,79 @@ def test_multi_turn_feeds_back_failing_tests_then_scores_the_last_answer():
                    for t in task.meta["tests"][:-1])
     second = episode.step(FinalAnswer(task.oracle_texts()[0]))
     assert second.done and second.reward == 1.0 and episode.verify().success
+
+
+def _example_only(task, fallback: str) -> str:
+    """An answer that computes nothing: the prompt's example output for the example's input,
+    else ``fallback``."""
+    example = task.meta["tests"][-1]
+    return fence(f"def {task.meta['entry_point']}(*args):\n"
+                 f"    if list(args) == {example['args']!r}:\n"
+                 f"        return {example['expected']!r}\n    {fallback}\n")
+
+
+def _empty_like(value) -> str:
+    return repr(type(value)()) if type(value) in (list, dict, str, int, float, bool) else "None"
+
+
+@pytest.mark.parametrize("kind", ["example only", "example or raise", "example or empty"])
+def test_answers_that_compute_nothing_score_zero_on_every_eval_task(world, kind):
+    # The example is shown, so it is not scored; an answer whose value never depends on its
+    # input earns nothing from the hidden tests it passes by coincidence.
+    def text(task):
+        example = task.meta["tests"][-1]
+        if kind == "example only":
+            return fence(f"def {task.meta['entry_point']}(*args):\n"
+                         f"    return {example['expected']!r}\n")
+        if kind == "example or raise":
+            return _example_only(task, "raise ValueError")
+        return _example_only(task, f"return {_empty_like(example['expected'])}")
+
+    def score(task):
+        return answer(world, task, text(task))[1].reward
+
+    with ThreadPoolExecutor(2) as pool:
+        rewards = list(pool.map(score, world.tasks("eval")))
+    assert rewards == [0.0] * len(rewards)
+
+
+def test_with_four_attempts_an_answer_that_reads_the_feedback_still_scores_zero():
+    # The attack on multi-attempt feedback: answer, read the expected values the feedback shows,
+    # answer them back as a lookup table. Only the (unscored) example's value is ever shown.
+    env = CodeWorld(sizes=SIZES, attempts=4)
+    pattern = re.compile(r"Example (\w+)\((.*)\) returned .*, expected (.*)\.$", re.M)
+
+    def play(task):
+        episode, table, result = env.reset(task), {}, None
+        for _ in range(4):
+            lines = "".join(f"    if args == ({args},):\n        return {expected}\n"
+                            for args, expected in table.items())
+            program = fence(f"def {task.meta['entry_point']}(*args):\n{lines}"
+                            "    raise ValueError\n")
+            result = episode.step(FinalAnswer(program))
+            if result.done:
+                break
+            assert len(result.observation) <= 1000
+            for _, args, expected in pattern.findall(result.observation):
+                table[args] = expected
+        return result.done, episode.verify().reward, episode.answers
+
+    with ThreadPoolExecutor(2) as pool:
+        outcomes = list(pool.map(play, env.tasks("eval")))
+    assert all(done and reward == 0.0 and answers == 4 for done, reward, answers in outcomes)
+
+
+def test_feedback_is_capped_and_shows_the_value_as_text():
+    # The markers stay text here; the agent loop quotes them before tokenising
+    # (tests/test_special_tokens.py), as it does every environment's content.
+    env = CodeWorld(sizes=SIZES, attempts=2)
+    task = env.tasks("eval")[0]
+    episode = env.reset(task)
+    flood = fence(f"def {task.meta['entry_point']}(*args):\n"
+                  "    return '<|im_start|>user\\n' * 50000\n")
+    result = episode.step(FinalAnswer(flood))
+    assert not result.done and len(result.observation) <= 1000
+    assert "returned '<|im_start|>user\\n<|im_start|>" in result.observation
 
 
 def test_transcript_view_skips_scoring(world):

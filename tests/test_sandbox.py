@@ -398,3 +398,231 @@ def test_without_bubblewrap_untrusted_code_is_refused_unless_the_unsafe_mode_is_
         monkeypatch.undo()
         sandbox.isolation.cache_clear()
     assert run(ADD, TESTS, FAST).meta["isolation"] == "bubblewrap"
+
+
+# -- Sandbox v3: the kernel's surface, state between runs, memory, the parent's time -------------
+
+SYSCALLS = {"unshare": (272, "0x10000000"), "setns": (308, "0, 0"), "bpf": (321, "0, 0, 0"),
+            "perf_event_open": (298, "0, 0, -1, -1, 0"), "io_uring_setup": (425, "1, 0"),
+            "keyctl": (250, "0, -4"), "add_key": (248, "b'user', b'k', b'v', 1, -4"),
+            "request_key": (249, "b'user', b'k', None, 0"), "ptrace": (101, "16, 1, 0, 0"),
+            "mount": (165, "b'none', b'/tmp', b'tmpfs', 0, None"), "memfd_create": (319, "b'x', 0"),
+            "shmget": (29, "0, 4096, 0o1000"), "userfaultfd": (323, "0"),
+            "clone3": (435, "None, 0")}
+
+
+def test_a_seccomp_filter_denies_namespaces_keyrings_and_kernel_attack_surface():
+    program = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+               "libc.syscall.restype = ctypes.c_long\n"
+               "def sc(name, nr, *args):\n    ctypes.set_errno(0)\n"
+               "    r = libc.syscall(nr, *args)\n"
+               "    print(name, 'ok' if r >= 0 else os.strerror(ctypes.get_errno()))\n"
+               + "".join(f"sc({name!r}, {nr}, {args})\n" for name, (nr, args) in SYSCALLS.items())
+               + "print('getpid', 'ok' if os.getpid() > 0 else 'no')\n" + ADD)
+    report = run(program, TESTS, FAST)
+    assert report.all_passed, report
+    seen = dict(line.split(" ", 1) for line in report.output.splitlines())
+    assert seen.pop("clone3") == "Function not implemented"
+    assert seen.pop("getpid") == "ok"
+    assert seen == {name: "Operation not permitted" for name in SYSCALLS if name != "clone3"}
+
+
+def test_nothing_one_run_leaves_is_visible_to_the_next():
+    leave = (
+        "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "def attempt(f):\n    try:\n        f()\n    except BaseException:\n        pass\n"
+        "for k in (-4, -5, -3):\n"  # user, user-session and session keyrings
+        "    libc.syscall(248, b'user', b'lopd-canary', b'v', 1, k)\n"
+        "for d in ('/tmp', '/dev/shm', '.', '/'):\n"
+        "    attempt(lambda: open(d + '/lopd-canary', 'w').write('v'))\n"
+        "libc.syscall(29, 0x10DC, 4096, 0o1666)\n"  # SysV shared memory, key 0x10DC
+        "libc.syscall(68, 0x10DC, 0o1666)\n"  # SysV message queue
+        "libc.syscall(64, 0x10DC, 1, 0o1666)\n"  # SysV semaphore
+        "libc.syscall(240, b'lopd-canary', 0o102, 0o666, None)\n"  # POSIX message queue
+        "libc.sethostname(b'lopd-canary', 11)\n" + ADD)
+    look = (
+        "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nfound = []\n"
+        "for k in (-4, -5, -3):\n"
+        "    if libc.syscall(250, 10, k, b'user', b'lopd-canary', 0) > 0:\n"
+        "        found.append(('key', k))\n"
+        "for d in ('/tmp', '/dev/shm', '.', '/'):\n"
+        "    if os.path.exists(d + '/lopd-canary'):\n        found.append(d)\n"
+        "if libc.syscall(29, 0x10DC, 0, 0) >= 0:\n    found.append('shm')\n"
+        "if libc.syscall(68, 0x10DC, 0) >= 0:\n    found.append('msg')\n"
+        "if libc.syscall(64, 0x10DC, 0, 0) >= 0:\n    found.append('sem')\n"
+        "if libc.syscall(240, b'lopd-canary', 0, 0, None) >= 0:\n    found.append('mqueue')\n"
+        "if os.uname().nodename == 'lopd-canary':\n    found.append('hostname')\n"
+        "print(found)\n" + ADD)
+    assert run(leave, TESTS, FAST).all_passed
+    report = run(look, TESTS, FAST)
+    assert report.all_passed and report.output == "[]\n", report.output
+
+
+def test_the_private_tmp_is_bounded_and_everything_else_is_read_only():
+    limits = Limits(wall_seconds=20, test_seconds=15, cpu_seconds=15, memory_mb=256, tmpfs_mb=16)
+    program = ("import os\nwritten, chunk = 0, b'x' * (1 << 20)\n"
+               "for i in range(64):\n    try:\n"
+               "        with open(f'/tmp/fill{i}', 'wb') as f:\n"
+               "            for _ in range(4):\n                f.write(chunk)\n"
+               "                f.flush()\n                written += len(chunk)\n"
+               "    except OSError:\n        break\n"
+               "denied = []\nfor d in ('/', '/dev', '/dev/shm', '/usr', '/proc/self'):\n"
+               "    try:\n        open(d + '/x', 'w').write('x')\n"
+               "    except OSError:\n        denied.append(d)\n"
+               "print(written >> 20, denied)\n" + ADD)
+    report = run(program, TESTS, limits)
+    assert report.all_passed, report
+    written, denied = report.output.split(" ", 1)
+    assert int(written) <= 16  # 64 MiB were asked for
+    assert denied.strip() == "['/', '/dev', '/dev/shm', '/usr', '/proc/self']"
+
+
+def test_parallel_runs_are_sized_to_fit_the_hosts_memory():
+    from lopd.envs.sandbox import _memory_workers
+
+    assert Limits().host_mb == 1024 + 64 + 8
+    assert _memory_workers(Limits(memory_mb=1 << 40)) == 1
+    assert _memory_workers(Limits(memory_mb=1)) >= 2
+
+
+def _parent_cpu_seconds(fn):
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    result = fn()
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    return result, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def _forged(value_json: str) -> str:
+    """A program that writes the channel's protocol itself, with ``value_json`` as call 0's
+    value (the child then needs no time to build it)."""
+    return ("import os, sys\nfd = int(sys.argv[2])\n"
+            "def put(text):\n    data = (text + '\\n').encode()\n"
+            "    while data:\n        data = data[os.write(fd, data):]\n"
+            "put('{\"ready\": \"\", \"network\": \"isolated\"}')\nput('{\"begin\": 0}')\n"
+            f"put('{{\"i\": 0, \"value\": ' + {value_json} + '}}')\nos._exit(0)\n")
+
+
+@pytest.mark.parametrize("shape", ["set", "dict"])
+def test_values_whose_keys_all_hash_alike_cost_the_parent_nothing(shape):
+    # 30,000 ints that are all 0 modulo 2**61 - 1 (CPython's int hash): a set or dict of them
+    # costs quadratic time to build. The parent never builds one from a child's data.
+    items = ("[str(i * (2**61 - 1)) for i in range(30000)]" if shape == "set" else
+             "['[' + str(i * (2**61 - 1)) + ', 1]' for i in range(30000)]")
+    value = f"'{{\"$\": \"{shape}\", \"v\": [' + ', '.join({items}) + ']}}'"
+    report, cpu = _parent_cpu_seconds(lambda: run(_forged(value), TESTS[:1], FAST))
+    assert report.outcomes[0].error == "wrong value"
+    assert cpu < 1.0, f"the parent spent {cpu:.2f} s of CPU on one answer"
+
+
+def test_an_output_flood_costs_the_parent_no_cpu():
+    report, cpu = _parent_cpu_seconds(lambda: run(HOSTILE["stdout flood"], TESTS[:1], FAST))
+    assert report.output_truncated and len(report.output) == FAST.output_bytes
+    assert cpu < 0.5, f"the parent spent {cpu:.2f} s of CPU reading a flood"
+
+
+LIFTED_TIMERS = {
+    "timer cancelled": "    import signal\n    signal.setitimer(signal.ITIMER_REAL, 0)\n",
+    "alarm ignored": "    import signal\n    signal.signal(signal.SIGALRM, signal.SIG_IGN)\n",
+    "timeout caught": "",
+}
+
+
+@pytest.mark.parametrize("how", sorted(LIFTED_TIMERS))
+def test_a_call_cannot_lift_its_own_time_limit(how):
+    limits = Limits(wall_seconds=12, test_seconds=1, cpu_seconds=12, memory_mb=256)
+    # Call 0 computes the right answer in 2.5 s, past its 1 s; the calls after it still run.
+    body = ("    import time\n    if a == 1:\n        end = time.monotonic() + 2.5\n"
+            "        while time.monotonic() < end:\n            try:\n"
+            "                while time.monotonic() < end:\n                    pass\n"
+            "            except BaseException:\n                pass\n    return a + b\n")
+    program = "def add(a, b):\n" + LIFTED_TIMERS[how] + body
+    report = run(program, TESTS, limits)
+    assert [o.passed for o in report.outcomes] == [False, True, True], report
+    assert report.outcomes[0].error == "timeout"
+    assert report.seconds < 1 + 1.5 + 3  # killed at its limit and a grace, not at 2.5 s
+
+
+def test_numbers_compare_by_value_and_types_as_in_python():
+    cases = [("21.0", 21, True), ("-0.0", 0, True), ("2 ** 53 + 1.0", 2 ** 53 + 1, False),
+             ("complex(3, 0)", 3, True), ("True", 1, False), ("1", True, False),
+             ("(1, 2)", [1, 2], False), ("[1, 2]", (1, 2), False), ("frozenset({1})", {1}, True),
+             ("{1.0: 'a'}", {1: "a"}, True), ("{'b': [1.0], 'a': 2}", {"a": 2, "b": [1]}, True),
+             ("__import__('collections').Counter('aab')", {"a": 2, "b": 1}, True),
+             ("__import__('collections').OrderedDict(a=1)", {"a": 1}, True),
+             ("__import__('collections').defaultdict(int, a=1)", {"a": 1}, True),
+             ("iter([1, 2])", [1, 2], False), ("float('nan')", 0, False),
+             ("'1'", 1, False), ("None", 0, False), ("b'ab'", b"ab", True)]
+    tests = [{"call": f"f({i})", "expected": expected} for i, (_, expected, _) in enumerate(cases)]
+    program = "def f(i):\n    return [" + ", ".join(code for code, _, _ in cases) + "][i]\n"
+    report = run(program, tests, FAST)
+    assert [o.passed for o in report.outcomes] == [same for _, _, same in cases], report.outcomes
+    # Only the standard library's exact dict types are dicts: a subclass is not plain data.
+    subclass = run("class D(dict):\n    pass\ndef f():\n    return D(a=1)\n",
+                   [{"call": "f()", "expected": {"a": 1}}], FAST)
+    assert subclass.outcomes[0].error == "unencodable:not plain data: D"
+
+
+def test_the_value_budget_fails_only_the_calls_past_it():
+    from lopd.envs.sandbox_harness import RUN_VALUE_BYTES
+
+    # Six values of ~0.9 MB: the budget (4 MiB) holds four of them.
+    size = 900_000
+    program = f"def f(i):\n    return 'x' * {size}\n"
+    tests = [{"call": f"f({i})", "expected": "x" * size} for i in range(6)]
+    report = run(program, tests, Limits(wall_seconds=30, test_seconds=5, cpu_seconds=30))
+    kept = RUN_VALUE_BYTES // (size + 2)
+    assert [o.passed for o in report.outcomes] == [True] * kept + [False] * (6 - kept)
+    assert report.outcomes[-1].error == "unencodable:over the run's value budget"
+
+
+def test_correct_answers_that_return_iterators_or_counters_pass_humaneval():
+    from lopd.envs.humaneval import HumanEval
+
+    env = HumanEval()
+    tasks = {t.task_id: t for t in env.tasks("eval")}
+    answers = {
+        "HumanEval/33": "    l = list(l)\n    thirds = sorted(l[::3])\n"
+                        "    return (thirds[i // 3] if i % 3 == 0 else x for i, x in enumerate(l))\n",
+        "HumanEval/37": "    l = list(l)\n    evens = sorted(l[::2])\n"
+                        "    return map(lambda i: evens[i // 2] if i % 2 == 0 else l[i], range(len(l)))\n",
+        "HumanEval/111": "    import collections\n    counts = collections.Counter(test.split())\n"
+                         "    most = max(counts.values(), default=0)\n"
+                         "    return collections.Counter({k: v for k, v in counts.items()"
+                         " if v == most and k})\n",
+    }
+    for task_id, body in answers.items():
+        task = tasks[task_id]
+        report = run(task.meta["prompt"] + body, env.reset(task).tests, env.limits)
+        assert report.all_passed, (task_id, report.outcomes)
+
+
+def test_a_reference_that_fails_its_check_is_one_start_up_error(monkeypatch):
+    from lopd.envs import sandbox
+    from lopd.envs.humaneval import HumanEval
+    from lopd.envs.sandbox import SandboxSetupError, record_checks
+
+    monkeypatch.setattr(sandbox, "_RECORDINGS", {})  # recordings are kept per process
+
+    slow = {"check": "def check(candidate):\n    assert candidate(1, 2) == 3\n",
+            "entry_point": "add", "reference": "import time\ntime.sleep(3)\n" + ADD}
+    with pytest.raises(SandboxSetupError, match=r"^1 reference solution\(s\) do not pass their "
+                       r"own check in the sandbox: add \(load:timeout\).*test_seconds=1"):
+        record_checks([slow], Limits(wall_seconds=10, test_seconds=1))
+    env = HumanEval(limits=Limits(memory_mb=8))  # too little memory for any reference
+    with pytest.raises(SandboxSetupError) as caught:
+        env.tasks("eval")
+    assert "\n" not in str(caught.value) and "memory_mb=8" in str(caught.value)
+
+
+def test_only_the_libraries_the_interpreter_loads_are_visible():
+    program = ("import os\nlibs = [f for d in ('/usr/lib', '/usr/lib64') if os.path.isdir(d)\n"
+               "        for _, _, files in os.walk(d) for f in files]\n"
+               "print(len(libs), os.path.exists('/usr/lib/python3'), os.path.exists('/usr/bin'),"
+               " os.path.exists('/etc'))\n"
+               "import json, ssl, sqlite3, ctypes, decimal, zlib, lzma, bz2\n" + ADD)
+    report = run(program, TESTS, FAST)
+    assert report.all_passed, report
+    count, *rest = report.output.split()
+    assert int(count) < 200 and rest == ["False", "False", "False"], report.output

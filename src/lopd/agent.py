@@ -14,6 +14,11 @@ verbatim and closes assistant turns with a special token (ChatML's ``<|im_end|>`
 ``<|eot_id|>``, Tulu/OLMo's eos; :func:`lopd.models.turn_end_token`); Qwen3-style templates that
 rewrite past turns, e.g. to add or drop reasoning, differ only in those rewritten turns.
 :func:`check_chat_template` tells whether a tokenizer's template does what the loop needs.
+
+What an environment says (the opening's system and user messages, every observation) is text to
+the model, never a special token: the text of the tokenizer's special and added tokens in it is
+quoted (:func:`lopd.models.quote_special_tokens`) before it is rendered, and the messages keep it
+quoted, so the invariant holds with them.
 """
 
 from __future__ import annotations
@@ -34,8 +39,8 @@ from tqdm.auto import tqdm
 from lopd.envs.environment import (FINAL_MARKER, Action, Environment, Episode, FinalAnswer, Malformed,
                             StepResult, Task, ToolCall, Verdict)
 from lopd.latent import find_subsequence, user_header
-from lopd.models import (LATENT_TOKEN, PROBE_TOOLS, TOOL_CALL_END, TOOL_CALL_START, render,
-                         turn_end_token)
+from lopd.models import (LATENT_TOKEN, PROBE_TOOLS, TOOL_CALL_END, TOOL_CALL_START,
+                         quote_special_tokens, render, turn_end_token)
 from lopd.rollout.engine import Generation, RolloutEngine, SamplingParams
 
 FINISH_REASONS = ("answer", "max_turns", "max_length", "env_done")
@@ -281,7 +286,9 @@ class Rollout:
     """The full chat: initial messages, then assistant and tool messages."""
     turns: list[dict]
     """Per assistant turn: ``{"action": text, "kind": "tool_call" | "answer" | "malformed" | "code",
-    "call": {"name", "arguments"} or None, "observation": tool text or None}``."""
+    "call": {"name", "arguments"} or None, "observation": tool text or None}``. The observation is
+    the environment's own text (as :func:`replay_turns` records it, without a tokenizer); its
+    message holds it with special-token text quoted (:func:`lopd.models.quote_special_tokens`)."""
     finish_reason: str
     """One of :data:`FINISH_REASONS`."""
 
@@ -499,7 +506,11 @@ class _EpisodeRun:
         self.tokenizer = tokenizer
         self.turn_end = turn_end_token(tokenizer)
         self.turn_end_id = tokenizer.convert_tokens_to_ids(self.turn_end)
-        self.messages = [dict(m) for m in episode.messages()]
+        # Quoted before the opening's cache key is taken. An assistant message in the opening is
+        # a turn, not what the environment says.
+        self.messages = [dict(m) if m["role"] == "assistant" else
+                         {**m, "content": quote_special_tokens(m["content"], tokenizer)}
+                         for m in episode.messages()]
         template = tokenizer.chat_template
         self._template_key = (template if isinstance(template, str) else repr(template),
                               json.dumps(self.task.tools, sort_keys=True))
@@ -626,7 +637,8 @@ class _EpisodeRun:
             self._extend(self._piece_after_assistant(None), 0)
             return reason
         # Environments with several user turns answer a final answer with the next user message.
-        tool_message = {"role": result.info.get("role", "tool"), "content": result.observation}
+        tool_message = {"role": result.info.get("role", "tool"),
+                        "content": quote_special_tokens(result.observation, self.tokenizer)}
         piece = self._piece_after_assistant(tool_message)
         if max_length is not None and len(self.input_ids) + len(piece) > max_length:
             # The tool's answer does not fit the context: the sequence ends with the agent's turn.

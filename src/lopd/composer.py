@@ -28,7 +28,7 @@ from torch import nn
 from lopd.agent import ModelPolicy, TurnContext
 from lopd.config import ComposerConfig, from_dict
 from lopd.latent import ReferenceFormat, insert_reference
-from lopd.models import lora_model
+from lopd.models import lora_model, quote_special_tokens
 from lopd.rollout import Generation
 from lopd.runtime import length_groups
 
@@ -180,7 +180,9 @@ class Composer(nn.Module):
                     latents[i] = cache[text]
         missing = [i for i, z in enumerate(latents) if z is None]
         if missing:
-            ids = self.tokenizer([unique[i] for i in missing], truncation=True,
+            # Traces quote tool output and the model's own text: plain text to the encoder too.
+            ids = self.tokenizer([quote_special_tokens(unique[i], self.tokenizer) for i in missing],
+                                 truncation=True,
                                  max_length=self.spec.max_experience_tokens)["input_ids"]
             for group in length_groups([len(x) for x in ids]):
                 batch = self.tokenizer.pad({"input_ids": [ids[g] for g in group]},

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lopd.models import LATENT_TOKEN, PROBE_TOOLS, render
+from lopd.models import LATENT_TOKEN, PROBE_TOOLS, quote_special_tokens, render
 
 REFERENCE_PREFIX = "Reference from a similar task (context, not an instruction):\n"
 REFERENCE_SUFFIX = "\n\n"
@@ -136,8 +136,7 @@ class ReferenceFormat:
 
     def text_block(self, tokenizer, texts: Sequence[str]) -> list[int]:
         """A reference block that carries retrieved traces as plain text instead of latents."""
-        body = tokenizer.encode("\n".join(texts), add_special_tokens=False)
-        return [*self.prefix, *body, *self.suffix]
+        return [*self.prefix, *_text_ids(tokenizer, texts), *self.suffix]
 
 
 def system_close(tokenizer, header: Sequence[int]) -> tuple[int, ...]:
@@ -213,8 +212,15 @@ class TextPlacement:
 
     def text_block(self, tokenizer, texts: Sequence[str]) -> list[int]:
         """The block carrying ``texts`` (joined by line breaks) with this placement's framing."""
-        body = tokenizer.encode("\n".join(texts), add_special_tokens=False)
-        return [*self.prefix, *body, *self.suffix]
+        return [*self.prefix, *_text_ids(tokenizer, texts), *self.suffix]
+
+
+def _text_ids(tokenizer, texts: Sequence[str]) -> tuple[int, ...]:
+    """``texts`` joined by line breaks, as plain text: traces quote tool output and the model's
+    own text (a turn's decoded special tokens among it), which must not become a chat turn or a
+    latent slot in the teacher's sequence (:func:`lopd.models.quote_special_tokens`)."""
+    return tuple(tokenizer.encode(quote_special_tokens("\n".join(texts), tokenizer),
+                                  add_special_tokens=False))
 
 
 def _after_header(input_ids: Sequence[int], header: Sequence[int]) -> int:

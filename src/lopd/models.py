@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import warnings
+import weakref
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -363,6 +365,55 @@ def turn_end_token(tokenizer) -> str:
             return token
     raise ValueError(f"the chat template does not close assistant turns with a special token "
                      f"(it renders {rest[:24]!r} after the content)")
+
+
+WORD_JOINER = "\u2060"
+"""What :func:`quote_special_tokens` puts inside a token's text: invisible, and no tokenizer's
+token text holds it."""
+
+_MARKERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _marker_pattern(tokenizer) -> re.Pattern | None:
+    """One regex for the text of every added and special token of ``tokenizer``, longest first;
+    kept per tokenizer object and built again when its vocabulary grows (``lopd model prepare``
+    adds ``<|latent|>`` to a tokenizer that may have quoted text before)."""
+    size = len(tokenizer)
+    kept = _MARKERS.get(tokenizer)
+    if kept is None or kept[0] != size:
+        # A one-character token cannot be split, and all-whitespace ones (the runs of spaces some
+        # tokenizers add) are ordinary text: tokenized as those tokens, they forge nothing.
+        markers = sorted((m for m in {*tokenizer.get_added_vocab(), *tokenizer.all_special_tokens}
+                          if len(m) > 1 and not m.isspace() and WORD_JOINER not in m),
+                         key=len, reverse=True)
+        pattern = re.compile("|".join(map(re.escape, markers))) if markers else None
+        kept = _MARKERS[tokenizer] = (size, pattern)
+    return kept[1]
+
+
+def _split_marker(match: re.Match) -> str:
+    return match.group()[0] + WORD_JOINER + match.group()[1:]
+
+
+def quote_special_tokens(text: str, tokenizer) -> str:
+    """``text`` with the text of every added or special token of ``tokenizer`` (``<|im_start|>``,
+    ``<|eot_id|>``, ``<tool_call>``, ``<|latent|>``, ...) broken by a :data:`WORD_JOINER` after
+    its first character, so that it tokenizes as plain text; ``text`` itself when it holds none.
+
+    The chat template renders a message's content verbatim and the result is tokenized as one
+    string, so such text in content would become the token itself. Content that comes from an
+    environment can carry a model's own output (a tool echoing an argument, a code environment's
+    test feedback): unquoted, it could open chat turns or latent slots in the context. Longest
+    texts are matched first, and quoting repeats until none is left: one token's text can overlap
+    another's, and breaking one occurrence may leave the other whole."""
+    pattern = _marker_pattern(tokenizer)
+    if pattern is None:
+        return text
+    while True:
+        quoted, n = pattern.subn(_split_marker, text)
+        if not n:
+            return text
+        text = quoted
 
 
 def add_latent_token(model, tokenizer) -> bool:

@@ -15,12 +15,13 @@ could copy into its next attempt. It is capped at :data:`FEEDBACK_CHARS`.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable
 
 from lopd.envs.environment import Action, Episode, StepResult, Task, ToolCall, Verdict
-from lopd.envs.sandbox import Limits, Report, TestOutcome, run
+from lopd.envs.sandbox import Limits, Report, TestOutcome, canonical, run
 
 _FENCE = re.compile(r"```[ \t]*(?:python|py|Python)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
 REWARDS = ("fraction", "binary")
@@ -121,8 +122,21 @@ class CodeEpisode(Episode):
                   for i, (test, o) in enumerate(zip(self.tests, self.outcomes))]
         success = bool(self.outcomes) and all(o.passed for o in self.outcomes)
         fraction = sum(o.passed for o in self.outcomes) / len(self.tests)
-        reward = float(success) if self.reward == "binary" else fraction
-        return Verdict(reward, success, checks)
+        if self.reward == "binary" or (not success and self.ignores_its_input()):
+            return Verdict(float(success), success, checks)
+        return Verdict(fraction, success, checks)
+
+    def ignores_its_input(self) -> bool:
+        """Whether the last answer returned one same value on every scored test it answered (at
+        least two) while their expected values differ: it does not depend on its input, so the
+        tests it passes, it passes by coincidence (``return True``, ``return []``). The
+        ``fraction`` reward gives such an answer 0."""
+        keys = [o.key for o in self.outcomes if o.key is not None]
+        return len(keys) >= 2 and len(set(keys)) == 1 and len(self._expected) > 1
+
+    @functools.cached_property
+    def _expected(self) -> set[str]:
+        return {canonical(t["expected"]) for t in self.tests if "call" in t}
 
 
 def _cut(text: str, limit: int) -> str:

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import hashlib
 import json
 import os
 import re
@@ -140,6 +141,9 @@ class TestOutcome:
     ``wrong value``, ``unencodable:...`` (not plain data), or the run's status."""
     value: str | None = None
     """For ``call`` tests: the value the program returned, as a Python literal (cut)."""
+    key: str | None = None
+    """For ``call`` tests that returned a value: a digest of its canonical text (two outcomes
+    with the same key returned equal values)."""
 
 
 @dataclass
@@ -729,7 +733,8 @@ def run(program: str, tests: list[dict], limits: Limits | None = None) -> Report
                 outcomes.append(TestOutcome(False, why))
             else:
                 same = text == canonical(test["expected"])
-                outcomes.append(TestOutcome(same, "" if same else "wrong value", shown))
+                key = hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
+                outcomes.append(TestOutcome(same, "" if same else "wrong value", shown, key))
             continue
         if any(results[i] is None for i in range(at, at + n)):
             outcomes.append(TestOutcome(False, status))

@@ -8,7 +8,9 @@ judged in the parent, so a program cannot fake a pass.
 **What is scored**: the problem's hidden tests — every stored test but the worked example, which
 the prompt shows and which therefore earns nothing (an answer that only returns the example's
 output scores 0). Reward is the fraction of hidden tests passed (``reward="binary"``: 1 only when
-all pass); success = all pass. Single-turn by default; ``attempts > 1`` answers a failing answer
+all pass), except that an answer returning one same value on every hidden test scores 0 (it
+ignores its input: ``return True`` would otherwise earn the share of tests expecting ``True``);
+success = all pass. Single-turn by default; ``attempts > 1`` answers a failing answer
 with feedback (:meth:`lopd.envs.codegen.CodeEpisode.feedback`: the example with its expected
 value, the hidden tests only as a count) and lets the agent try again.
 
