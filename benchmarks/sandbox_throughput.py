@@ -3,8 +3,8 @@
     python benchmarks/sandbox_throughput.py --problems 200 --workers 1 2
 
 codeworld reference solutions (``call`` tests, judged in the parent) and HumanEval canonical
-solutions (``check`` tests: the recording, cached after the first answer per problem, then the
-answer's child and a trusted replay) are scored with each worker count, once isolated by
+solutions (``check`` tests: the recordings, made when the tasks are loaded, then the answer's
+child and a trusted replay) are scored with each worker count, once isolated by
 bubblewrap and once in the harness's own weaker confinement (the unsafe fallback), interleaved in
 one run. Prints answers/s for each, and bubblewrap's cost as the ratio.
 """
@@ -60,9 +60,6 @@ def main() -> None:
     args = parser.parse_args()
 
     jobs = jobs_of(args.problems)
-    env_jobs, limits = jobs["humaneval"]  # recordings are made once per problem, before timing
-    for _, tests in env_jobs:
-        sandbox.recorded_calls(tests[0], limits)
     figures = {"problems": {k: len(v[0]) for k, v in jobs.items()}, "runs": []}
     for workers in args.workers:
         for env, (env_jobs, limits) in jobs.items():

@@ -581,12 +581,13 @@ def _follow(proc: subprocess.Popen, channel_fd: int, protocol: _Protocol) -> tup
     status, reason = "completed", ""
     with selectors.DefaultSelector() as selector:
         selector.register(channel_fd, selectors.EVENT_READ)
-        while not protocol.finished:
+        while not protocol.finished and status == "completed":
             left = protocol.deadline() - time.monotonic()
-            if left <= 0:
-                status = "timeout"
-                break
-            if not selector.select(timeout=min(left, 0.5)):
+            # What the child wrote before its deadline is read even when the parent is late;
+            # after that, only a whole record that moves the deadline on keeps the child alive.
+            if not selector.select(timeout=min(max(left, 0.0), 0.5)):
+                if left <= 0:
+                    status = "timeout"
                 continue
             chunk = os.read(channel_fd, 65536)
             if not chunk:
@@ -596,14 +597,19 @@ def _follow(proc: subprocess.Popen, channel_fd: int, protocol: _Protocol) -> tup
                 status, reason = "malformed", "channel over its size limit"
                 break
             pending += chunk
-            while b"\n" in pending and not protocol.finished and status == "completed":
-                line, _, rest = bytes(pending).partition(b"\n")
-                pending = bytearray(rest)
+            if b"\n" not in chunk:
+                continue
+            *lines, rest = bytes(pending).split(b"\n")
+            pending = bytearray(rest)
+            for line in lines:
                 record, why = parse_record(line)
                 if record is None or not protocol.feed(record):
                     status, reason = "malformed", why or "a record out of the protocol"
-            if status != "completed":
-                break
+                if protocol.finished or status != "completed":
+                    break
+            if status == "completed" and not protocol.finished \
+                    and time.monotonic() > protocol.deadline():
+                status = "timeout"
     if status == "completed" and protocol.finished:
         # Done: the child only has to exit; give it a moment, then make sure.
         try:
