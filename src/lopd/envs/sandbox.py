@@ -345,7 +345,7 @@ def _bwrap_prefix(bwrap: str) -> tuple[str, ...]:
         namespaces = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
                       "--unshare-cgroup-try"]
     else:
-        namespaces = ["--unshare-all", "--disable-userns"]
+        namespaces = ["--unshare-all", "--unshare-user", "--disable-userns"]
     return (bwrap, *namespaces, "--die-with-parent", "--new-session", *_binds(),
             "--ro-bind", str(HARNESS), HARNESS_IN_SANDBOX, "--proc", "/proc", "--dev", "/dev",
             "--remount-ro", "/dev")
