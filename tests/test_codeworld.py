@@ -171,11 +171,19 @@ def test_answers_that_compute_nothing_score_zero_on_every_eval_task(world, kind)
     assert rewards == [0.0] * len(rewards)
 
 
+def _as_python(shown: str) -> str:
+    """An expected value as feedback shows it (a Python literal, or JSON) as Python source."""
+    try:
+        return repr(json.loads(shown))
+    except ValueError:
+        return shown
+
+
 def test_with_four_attempts_an_answer_that_reads_the_feedback_still_scores_zero():
     # The attack on multi-attempt feedback: answer, read the expected values the feedback shows,
     # answer them back as a lookup table. Only the (unscored) example's value is ever shown.
     env = CodeWorld(sizes=SIZES, attempts=4)
-    pattern = re.compile(r"Example (\w+)\((.*)\) returned .*, expected (.*)\.$", re.M)
+    pattern = re.compile(r"^(?:Example )?(\w+)\((.*)\) returned .*, expected (.*?)\.?$", re.M)
 
     def play(task):
         episode, table, result = env.reset(task), {}, None
@@ -183,13 +191,13 @@ def test_with_four_attempts_an_answer_that_reads_the_feedback_still_scores_zero(
             lines = "".join(f"    if args == ({args},):\n        return {expected}\n"
                             for args, expected in table.items())
             program = fence(f"def {task.meta['entry_point']}(*args):\n{lines}"
-                            "    raise ValueError\n")
+                            "    return None\n")
             result = episode.step(FinalAnswer(program))
             if result.done:
                 break
             assert len(result.observation) <= 1000
             for _, args, expected in pattern.findall(result.observation):
-                table[args] = expected
+                table[args] = _as_python(expected)
         return result.done, episode.verify().reward, episode.answers
 
     with ThreadPoolExecutor(2) as pool:
