@@ -190,11 +190,13 @@ class EnvConfig:
         "experience then carries what the request does not); the pretrain pool codes half this "
         "share of its tasks, with a code word drawn per task.", ge=0.0, le=1.0)
     code_reward: Literal["fraction", "binary"] = knob(
-        "fraction", "codeworld reward: the fraction of hidden tests passed, or 1 only when all "
-        "pass.")
+        "fraction", "codeworld reward: the fraction of hidden tests passed (0 for an answer "
+        "that returns one value on every hidden test), or 1 only when all pass. The prompt's "
+        "worked example is never scored.")
     code_attempts: int = knob(
-        1, "codeworld answers per episode: 1 = single-turn; more = failing tests come back as "
-        "feedback and the agent tries again.", ge=1)
+        1, "codeworld answers per episode: 1 = single-turn; more = a failing answer is told how "
+        "many hidden tests passed and what the example returned, and the agent tries again.",
+        ge=1)
     unsafe_sandbox_without_bubblewrap: bool = knob(
         False, "codeworld, humaneval: where bubblewrap cannot isolate model-written code, run it "
         "anyway in the harness's own, weaker confinement (a determined program can escape it). "
