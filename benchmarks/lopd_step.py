@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from lopd import pipeline
+from lopd import pipeline, stages
 from lopd.algorithms import get_algorithm
 from lopd.composer import Composer
 from lopd.config import load_config
@@ -38,7 +38,7 @@ PHASES = ("rollout", "before_step", "student_forward", "teacher", "backward", "o
 
 def build_inputs(cfg, folder: Path, n_tasks: int) -> tuple[Path, Path]:
     pipeline.build_bank(cfg, folder / "bank", agent="oracle", limit=n_tasks, progress=False)
-    model, tokenizer = pipeline.load_model(cfg)
+    model, tokenizer = stages.load_model(cfg)
     Composer(model, tokenizer, cfg.composer).save(folder / "composer")
     return folder / "bank", folder / "composer"
 

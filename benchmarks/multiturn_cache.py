@@ -23,7 +23,7 @@ from collections import defaultdict
 
 import torch
 
-from lopd import agent, pipeline, runtime
+from lopd import agent, policies, runtime, stages
 from lopd.config import load_config
 from lopd.rollout import SamplingParams, TransformersEngine
 from lopd.tables import format_table, write_json
@@ -50,7 +50,7 @@ class ForwardClock:
 def run(engine, clock, env, tasks, tokenizer, rollout, seed: int) -> tuple[list, dict]:
     clock.seconds.clear()
     before = engine.prefilled_tokens
-    policy = agent.ModelPolicy(engine, tokenizer, SamplingParams(
+    policy = policies.ModelPolicy(engine, tokenizer, SamplingParams(
         temperature=rollout.temperature, max_new_tokens=rollout.max_completion_length, seed=seed))
     started = time.perf_counter()
     rollouts = agent.run_episodes(env, tasks, policy, tokenizer, max_turns=rollout.max_turns,
@@ -76,9 +76,9 @@ def main() -> None:
 
     cfg = load_config(args.config, args.overrides)
     runtime.set_threads(cfg.run.num_threads)
-    model, tokenizer = pipeline.load_model(cfg)
+    model, tokenizer = stages.load_model(cfg)
     model.eval()
-    env = pipeline.get_env(cfg)
+    env = stages.get_env(cfg)
     tasks = env.tasks("train")[:args.episodes]
     clock = ForwardClock(model)
     engines = {"kept KV cache": TransformersEngine(model, tokenizer, reuse_cache=True),

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from lopd import pipeline
+from lopd import pipeline, stages
 from lopd.algorithms import get_algorithm
 from lopd.composer import Composer
 from lopd.config import load_config
@@ -49,7 +49,7 @@ def run(args) -> None:
         if args.algo == "lopd":
             pipeline.build_bank(cfg, tmp / "bank", agent="oracle", limit=args.bank_tasks,
                                 progress=False)
-            model, tokenizer = pipeline.load_model(cfg)
+            model, tokenizer = stages.load_model(cfg)
             torch.manual_seed(0)
             Composer(model, tokenizer, cfg.composer).save(tmp / "composer")
             sets += [f"lopd.bank={tmp / 'bank'}", f"lopd.composer={tmp / 'composer'}"]
@@ -89,7 +89,7 @@ def compare(a_dir: Path, b_dir: Path) -> None:
     print(format_table(["figure", "max |a - b|", "relative", f"{b_dir.name} per step"], rows,
                        title=f"{a['algo']}: {a_dir} vs {b_dir}, {len(a['steps'])} steps"))
     wa, wb = (torch.load(d / "student.pt") for d in (a_dir, b_dir))
-    model, _ = pipeline.load_model(load_config(a["config"], a["overrides"]))
+    model, _ = stages.load_model(load_config(a["config"], a["overrides"]))
     w0 = model.state_dict()
     apart = math.sqrt(sum(float((wa[k].double() - wb[k].double()).pow(2).sum()) for k in wa))
     moved = math.sqrt(sum(float((wa[k].double() - w0[k].double()).pow(2).sum()) for k in wa))

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from lopd import agent, pipeline
+from lopd import policies, stages
 from lopd.algorithms import cold_start as cs
 from lopd.composer import Composer
 from lopd.config import load_config
@@ -58,22 +58,22 @@ def main() -> None:
 
     cfg = load_config(args.config, args.overrides)
     torch.set_num_threads(cfg.run.num_threads)
-    env = pipeline.get_env(cfg)
+    env = stages.get_env(cfg)
     train = env.tasks("train")
     if not 0 < args.tasks < len(train):
         parser.error(f"--tasks {args.tasks}: choose 1..{len(train) - 1} of the {len(train)} "
                      "training tasks")
     tasks = train[-args.tasks:]
     template = {t.task_id: t.meta.get("template") for t in tasks}
-    model, tokenizer = pipeline.load_model(cfg, args.model)
-    policy = (agent.OraclePolicy() if args.acting == "oracle"
-              else pipeline.model_policy(cfg, model, tokenizer, cfg.rollout.temperature, args.seed))
-    held = [r for r in pipeline.run_episodes(cfg, env, tasks, policy, tokenizer) if r.success]
+    model, tokenizer = stages.load_model(cfg, args.model)
+    policy = (policies.OraclePolicy() if args.acting == "oracle"
+              else stages.model_policy(cfg, model, tokenizer, cfg.rollout.temperature, args.seed))
+    held = [r for r in stages.run_episodes(cfg, env, tasks, policy, tokenizer) if r.success]
     code = {t.task_id: t.meta["code"] for t in tasks if "code" in t.meta}
     coded = set(code)
     n_ret = cfg.bank.n_ret
     rng = random.Random(args.seed)
-    with tempfile.TemporaryDirectory() as tmp, pipeline.open_bank(cfg, args.bank) as source, \
+    with tempfile.TemporaryDirectory() as tmp, stages.open_bank(cfg, args.bank) as source, \
             ExperienceBank.open(source.snapshot(Path(tmp) / "bank"),
                                 embedder=source.embedder) as bank:
         bank.withhold(t.task_id for t in tasks)   # a copy: the given bank is not changed

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from lopd import agent, models, runtime
+from lopd import agent, models, policies, runtime
 from lopd.envs import get_env
 from lopd.rollout import Generation, RolloutEngine, SamplingParams, TransformersEngine
 from lopd.tables import format_table, write_json
@@ -62,7 +62,7 @@ class HFGenerateEngine(RolloutEngine):
 
 
 def run(engine, env, tasks, tokenizer, batch_size: int, seed: int, max_turns: int):
-    policy = agent.ModelPolicy(engine, tokenizer, SamplingParams(temperature=1.0, seed=seed))
+    policy = policies.ModelPolicy(engine, tokenizer, SamplingParams(temperature=1.0, seed=seed))
     start = time.perf_counter()
     rollouts = agent.run_episodes(env, tasks, policy, tokenizer, max_turns=max_turns,
                                   max_new_tokens=96, batch_size=batch_size)

@@ -16,7 +16,7 @@ from functools import partial
 
 import torch
 
-from lopd import models, pipeline, runtime
+from lopd import models, runtime, stages
 from lopd.config import RolloutConfig
 from lopd.corpus import synthetic_transcripts
 from lopd.rollout import RolloutEngine, SamplingParams
@@ -87,7 +87,7 @@ def main() -> None:
     rows, results = [], []
     for preset in args.presets:
         model = models.build_model(tokenizer, preset, seed=args.seed).eval().to(device)
-        engine = pipeline.make_engine(RolloutConfig(), model, tokenizer)
+        engine = stages.make_engine(RolloutConfig(), model, tokenizer)
         stop_ids = sorted(engine.stop_token_ids)
         params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                                 seed=args.seed)

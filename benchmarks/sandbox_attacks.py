@@ -26,10 +26,10 @@ import resource
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from lopd.chat import FinalAnswer
 from lopd.envs import sandbox
 from lopd.envs.codegen import fence
 from lopd.envs.codeworld import CodeWorld
-from lopd.envs.environment import FinalAnswer
 
 
 def _empty_like(value) -> str:

@@ -16,7 +16,7 @@ import contextlib
 import json
 import time
 
-from lopd.envs import sandbox
+from lopd.envs import confinement, sandbox
 from lopd.envs.codegen import extract_code
 from lopd.envs.codeworld import CodeWorld, assemble, hidden_tests
 from lopd.envs.humaneval import HumanEval
@@ -42,13 +42,13 @@ def isolation_mode(mode: str):
     if mode == "bubblewrap":
         yield
         return
-    real = sandbox.isolation
-    sandbox.isolation = lambda: (None, "measuring the fallback")
+    real = confinement.isolation
+    confinement.isolation = lambda: (None, "measuring the fallback")
     sandbox.allow_unsafe_fallback(True)
     try:
         yield
     finally:
-        sandbox.isolation = real
+        confinement.isolation = real
         sandbox.allow_unsafe_fallback(False)
 
 

@@ -20,7 +20,6 @@ and OPSD read the environment's oracle; no evaluation or checkpoint is made.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from lopd import pipeline, runtime
+from lopd import runtime, stages
 from lopd.algorithms import get_algorithm
 from lopd.algorithms.base import StepBatch
 from lopd.config import load_config
@@ -60,7 +59,7 @@ def one_step(trainer: Trainer, step: int) -> dict:
     rollout = time.perf_counter() - started
     trainer.ctx.student.train()
     figures = trainer.algorithm.step(StepBatch(step, tasks, rollouts))
-    pipeline.sync_engine(trainer.engine, trainer.ctx.student)
+    stages.sync_engine(trainer.engine, trainer.ctx.student)
     record = {"time/step": time.perf_counter() - started, "time/rollout": rollout,
               **{k: v for k, v in figures.items() if k.startswith("time/")},
               "memory/resident_mb": resident_mb()}
@@ -89,7 +88,7 @@ def main() -> None:
 
     cfg = load_config(args.config, args.overrides)
     composer, bank = (args.composer, args.bank) if args.composer and args.bank else \
-        pipeline.embedded_assets(cfg)
+        stages.embedded_assets(cfg)
     sets = [*args.overrides, f"lopd.composer={composer}", f"lopd.bank={bank}",
             f"train.max_steps={args.steps}"]
     records: dict[str, list[dict]] = {m: [] for m in methods}

@@ -92,7 +92,7 @@ from pathlib import Path
 
 import torch
 
-from lopd import agent, models, pipeline, runtime
+from lopd import chat, models, runtime, stages
 from lopd.algorithms import get_algorithm
 from lopd.algorithms.base import StepBatch
 from lopd.config import load_config
@@ -124,7 +124,7 @@ def lopd_step(trainer: Trainer, step: int) -> dict:
     generation = since(start)
     trainer.ctx.student.train()
     figures = trainer.algorithm.step(StepBatch(step, tasks, rollouts))
-    pipeline.sync_engine(trainer.engine, trainer.ctx.student)
+    stages.sync_engine(trainer.engine, trainer.ctx.student)
     return {**since(start), "generation_cpu_s": generation["cpu_s"],
             "generation_wall_s": generation["wall_s"],
             "completion_tokens": figures["action_tokens"] / len(rollouts),
@@ -137,9 +137,9 @@ def prompt_text(env, tokenizer, task) -> str:
     """A task's first-turn prompt as text: its messages and tools through the chat template, with
     the generation prompt (what lopd's episode loop feeds the engine at turn one)."""
     episode = env.reset(task)
-    text = models.render(tokenizer, episode.messages(), task.tools, add_generation_prompt=True,
+    text = chat.render(tokenizer, episode.messages(), task.tools, add_generation_prompt=True,
                          tokenize=False)
-    if tokenizer(text)["input_ids"] != models.render(tokenizer, episode.messages(), task.tools,
+    if tokenizer(text)["input_ids"] != chat.render(tokenizer, episode.messages(), task.tools,
                                                      add_generation_prompt=True):
         raise RuntimeError(f"task {task.task_id}: the prompt text does not tokenise to the ids "
                            "lopd's episode loop uses, so TRL would see other prompts")
@@ -150,7 +150,7 @@ def single_turn_reward(env, task, text: str) -> float:
     """Toolworld's verdict after the assistant writes ``text`` as its only turn: parsed and stepped
     in a fresh episode, then verified, as lopd's episode loop does."""
     episode = env.reset(task)
-    episode.step(agent.parse_action(text, episode.tools))
+    episode.step(chat.parse_action(text, episode.tools))
     return float(episode.verify().reward)
 
 
@@ -183,7 +183,7 @@ def trl_trainer(cfg, trainer: Trainer, steps: int, out: Path, log: dict[str, lis
             for step in range(1, steps + 1) for task in trainer.step_tasks(step)[::group]]
     tasks = trainer.ctx.train_tasks
     prompt_tokens = {row["task_id"]: len(tokenizer(row["prompt"])["input_ids"]) for row in rows}
-    stops = {tokenizer.convert_tokens_to_ids(models.turn_end_token(tokenizer)),
+    stops = {tokenizer.convert_tokens_to_ids(chat.turn_end_token(tokenizer)),
              tokenizer.eos_token_id}
 
     def text_of(ids: list[int]) -> str:
@@ -291,7 +291,7 @@ def engine_vs_generate(cfg, prompt_sets: list[list[list[int]]], repeats: int) ->
     """Repeats of lopd's engine and of ``model.generate`` on the same prompts (``prompt_sets[r]``
     in repeat r), interleaved, after one warm-up call each on ``prompt_sets[0]``; per-repeat
     generated tokens and seconds of each."""
-    model, tokenizer = pipeline.load_model(cfg)
+    model, tokenizer = stages.load_model(cfg)
     engine = TransformersEngine(model, tokenizer)
     stop_ids = sorted(engine.stop_token_ids)
     records: dict[str, list] = {"transformers_engine": [], "model_generate": []}
@@ -347,7 +347,7 @@ def main() -> None:
         trainer = Trainer(cfg, Path(tmp) / "lopd", get_algorithm("grpo"), progress=False)
         steps = interleaved_steps(cfg, trainer, args.steps, Path(tmp) / "trl")
         tokenizer = trainer.ctx.tokenizer
-        prompt_sets = [[models.render(tokenizer, trainer.env.reset(t).messages(), t.tools,
+        prompt_sets = [[chat.render(tokenizer, trainer.env.reset(t).messages(), t.tools,
                                       add_generation_prompt=True) for t in trainer.step_tasks(s)]
                        for s in range(1, args.repeats + 2)]
         device = str(trainer.device)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lopd import models
+from lopd import models, policies
 from lopd.corpus import synthetic_transcripts
 
 torch.set_num_threads(1)
@@ -29,15 +29,16 @@ def make_lopd_inputs(root):
     ``root``: the inputs of a tiny LOPD run."""
     from lopd import agent
     from lopd.composer import Composer
+    from lopd.embedding import EmbedderSpec, load_embedder
     from lopd.envs import get_env
-    from lopd.experience import EmbedderSpec, ExperienceBank, load_embedder
+    from lopd.experience import ExperienceBank
 
     model, tokenizer = models.load_model("toolworld-1m")
     # The tiny preset's environment (coded requests), so the bank holds the instructions its runs see.
     env = get_env("toolworld", seed=0, sizes={"train": 40, "eval": 4, "pretrain": 0},
                   coded_fraction=1.0)
     tasks = env.tasks("train")
-    rollouts = agent.run_episodes(env, tasks, agent.OraclePolicy(), tokenizer, max_turns=8,
+    rollouts = agent.run_episodes(env, tasks, policies.OraclePolicy(), tokenizer, max_turns=8,
                                   max_new_tokens=96, batch_size=40)
     with ExperienceBank.create(root / "bank", load_embedder(EmbedderSpec(kind="policy",
                                                                          path="toolworld-1m"))) as bank:
@@ -76,8 +77,8 @@ def junk_and_gold_batch(t, n_tasks, step=1):
 
     tasks = trainer.tasks_for_step(t.train_tasks, 0, step, n_tasks)
     tok = t.ctx.tokenizer
-    junk = agent.run_episodes(t.env, tasks, agent.RandomPolicy(seed=0), tok, 3, 48, n_tasks)
-    gold = agent.run_episodes(t.env, tasks, agent.OraclePolicy(), tok, 8, 96, n_tasks)
+    junk = agent.run_episodes(t.env, tasks, policies.RandomPolicy(seed=0), tok, 3, 48, n_tasks)
+    gold = agent.run_episodes(t.env, tasks, policies.OraclePolicy(), tok, 8, 96, n_tasks)
     return StepBatch(step, [task for task in tasks for _ in range(2)],
                      [r for pair in zip(junk, gold) for r in pair])
 

@@ -5,12 +5,25 @@ from dataclasses import replace
 
 import pytest
 
-from lopd.agent import (_CONTENT_PLACEHOLDER, FixedTextPolicy, ModelPolicy, OraclePolicy, Policy,
-                        RandomPolicy, Rollout, ScriptedPolicy, chat_safe, parse_action,
-                        replay_turns, run_episodes, summarize)
-from lopd.envs.environment import (Environment, Episode, FinalAnswer, Malformed, StepResult, Task,
-                            ToolCall, Verdict)
-from lopd.models import quote_special_tokens, render
+from lopd.agent import _CONTENT_PLACEHOLDER, Rollout, run_episodes, summarize
+from lopd.chat import (
+    FinalAnswer,
+    Malformed,
+    ToolCall,
+    chat_safe,
+    parse_action,
+    quote_special_tokens,
+    render,
+)
+from lopd.envs.environment import Environment, Episode, StepResult, Task, Verdict, replay_turns
+from lopd.policies import (
+    FixedTextPolicy,
+    ModelPolicy,
+    OraclePolicy,
+    Policy,
+    RandomPolicy,
+    ScriptedPolicy,
+)
 from lopd.rollout import Generation, SamplingParams, TransformersEngine
 
 # ----------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import lopd_config, make_lopd_inputs
-from lopd import agent, trainer
+from lopd import agent, policies, trainer
 from lopd.algorithms import algorithm_names, get_algorithm, register, unregister
 from lopd.algorithms.base import Algorithm, LossTerms, StepBatch, micro_batches
 from lopd.algorithms.cold_start import ColdStart
@@ -30,8 +30,8 @@ def mixed_batch(t, n_tasks):
     """Sampled, junk and gold rollouts of different lengths: rewards and token counts differ."""
     tasks = trainer.tasks_for_step(t.train_tasks, 0, 1, n_tasks)
     tok = t.ctx.tokenizer
-    gold = agent.run_episodes(t.env, tasks, agent.OraclePolicy(), tok, 8, 96, n_tasks)
-    junk = agent.run_episodes(t.env, tasks, agent.RandomPolicy(seed=0), tok, 3, 48, n_tasks)
+    gold = agent.run_episodes(t.env, tasks, policies.OraclePolicy(), tok, 8, 96, n_tasks)
+    junk = agent.run_episodes(t.env, tasks, policies.RandomPolicy(seed=0), tok, 3, 48, n_tasks)
     sampled = t.rollouts(tasks, 1.0, seed=1)
     rollouts = [r for triple in zip(sampled, junk, gold) for r in triple]
     return StepBatch(1, [task for task in tasks for _ in range(3)], rollouts)
@@ -199,6 +199,46 @@ def test_a_method_registered_from_a_test_module_is_picked_up_everywhere(register
     assert [r["step"] for r in records] == [0, 1] and "loss" in records[1]
     saved = load_config(tmp_path / "run" / trainer.CONFIG_FILE)
     assert saved.train.algorithm == "centered_test" and saved.centered_test.scale == 1.0
+
+
+def test_register_records_the_method_in_config_and_unregister_removes_it():
+    from lopd.algorithms import config_sections
+    from lopd.config import method_names, method_sections
+
+    register(Centered)
+    try:
+        assert get_algorithm("centered_test") is Centered
+        assert method_sections()["centered_test"] is CenteredConfig
+        assert config_sections()["centered_test"] is CenteredConfig
+        assert "centered_test" in method_names()
+        assert register(Centered) is Centered       # the same class again is fine
+    finally:
+        unregister(Centered.name)
+    assert "centered_test" not in algorithm_names() and "centered_test" not in method_names()
+    assert "centered_test" not in method_sections() and "centered_test" not in config_sections()
+    with pytest.raises(Exception, match="unknown algorithm 'centered_test'; choose one of"):
+        get_algorithm("centered_test")
+
+
+def test_register_refuses_bad_names_and_a_second_class_under_a_name():
+    from lopd.config import ConfigError, method_names
+
+    def named(name):
+        return type("Odd", (Algorithm,), {"name": name, "loss": lambda *a: None})
+
+    for name, message in [
+            ("Odd", "algorithm Odd: name must be a lower-case identifier, got 'Odd'"),
+            ("", "algorithm Odd: name must be a lower-case identifier, got ''"),
+            ("train", "algorithm name 'train' is taken by a config section or 'base'"),
+            ("base", "algorithm name 'base' is taken by a config section or 'base'")]:
+        with pytest.raises(ConfigError) as info:
+            register(named(name))
+        assert str(info.value) == message
+    with pytest.raises(ConfigError) as info:
+        register(named("grpo"))
+    assert str(info.value) == ("two algorithms named 'grpo': lopd.algorithms.grpo.GRPO and "
+                               f"{__name__}.Odd")
+    assert get_algorithm("grpo").__qualname__ == "GRPO" and "odd" not in method_names()
 
 
 def test_an_unregistered_method_name_is_refused_naming_the_key():

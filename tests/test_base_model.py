@@ -79,9 +79,10 @@ def test_pretrain_pool_too_small_is_a_clear_error(tmp_path):
 
 
 def test_reference_blocks_leave_the_action_targets_unchanged():
-    from lopd.agent import OraclePolicy, run_episodes
+    from lopd.agent import run_episodes
     from lopd.envs import get_env
     from lopd.latent import REFERENCE_PREFIX
+    from lopd.policies import OraclePolicy
 
     tokenizer = models.load_tokenizer(models.resolve_model_path("toolworld-1m"))
     env = get_env("toolworld", seed=0, sizes={"eval": 2, "train": 2, "pretrain": 60})
@@ -129,8 +130,9 @@ def test_a_time_limited_run_resumed_ends_like_an_uninterrupted_one(tmp_path):
 
 
 def test_a_coded_request_sees_its_references_under_its_own_code():
-    from lopd.agent import OraclePolicy, run_episodes
+    from lopd.agent import run_episodes
     from lopd.envs import get_env
+    from lopd.policies import OraclePolicy
 
     tokenizer = models.load_tokenizer(models.resolve_model_path("toolworld-1m"))
     env = get_env("toolworld", seed=0, sizes={"eval": 2, "train": 2, "pretrain": 120},

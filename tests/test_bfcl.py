@@ -6,9 +6,9 @@ import pytest
 
 pytest.importorskip("bfcl", reason="BFCL needs nvidia-bfcl (installed by make)")
 
-from lopd import agent, models  # noqa: E402
+from lopd import agent, chat, models, policies  # noqa: E402
+from lopd.chat import ToolCall
 from lopd.envs import get_env  # noqa: E402
-from lopd.envs.environment import ToolCall  # noqa: E402
 from lopd.envs.bfcl import SUBSETS  # noqa: E402
 
 
@@ -36,7 +36,7 @@ def test_four_subsets_of_200():
 
 
 def test_ground_truth_replay_scores_800_of_800(env, tokenizer):
-    rollouts = run(env, env.tasks("eval"), agent.OraclePolicy(), tokenizer)
+    rollouts = run(env, env.tasks("eval"), policies.OraclePolicy(), tokenizer)
     failed = [(r.task_id, r.checks) for r in rollouts if not r.success]
     assert not failed
     assert len(rollouts) == 800
@@ -44,7 +44,7 @@ def test_ground_truth_replay_scores_800_of_800(env, tokenizer):
 
 def test_an_agent_that_only_answers_text_scores_zero(env, tokenizer):
     tasks = [t for s in SUBSETS for t in env.tasks(s)[:10]]
-    rollouts = run(env, tasks, agent.FixedTextPolicy("Task Completed"), tokenizer)
+    rollouts = run(env, tasks, policies.FixedTextPolicy("Task Completed"), tokenizer)
     assert sum(r.success for r in rollouts) == 0
 
 
@@ -55,10 +55,10 @@ def test_wrong_actions_are_rejected_and_held_back_docs_are_hidden(env):
     episode = env.reset(task)
     try:
         names = {t["function"]["name"] for t in episode.tools}
-        bad = agent.parse_action('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',
+        bad = chat.parse_action('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',
                                  episode.tools)
         assert "unknown tool" in episode.step(bad).observation
-        missing = agent.parse_action('<tool_call>{"name": "mv", "arguments": {"source": "a"}}'
+        missing = chat.parse_action('<tool_call>{"name": "mv", "arguments": {"source": "a"}}'
                                      '</tool_call>', episode.tools)
         assert "missing argument 'destination'" in episode.step(missing).observation
         assert "cd" in names
@@ -77,7 +77,7 @@ def test_model_text_never_runs_as_code_and_a_dying_worker_cannot_hurt_the_parent
         # As an argument value it is a string literal, executed by nobody.
         episode.step(ToolCall("cd", {"folder": payload}))
         # As a tool name it is not a tool.
-        action = agent.parse_action('<tool_call>{"name": "__import__", "arguments": {}}'
+        action = chat.parse_action('<tool_call>{"name": "__import__", "arguments": {}}'
                                     '</tool_call>', episode.tools)
         assert "unknown tool" in episode.step(action).observation
         assert not marker.exists()

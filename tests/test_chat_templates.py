@@ -18,11 +18,18 @@ import pytest
 import torch
 from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, trainers
 from tokenizers import models as bpe_models
-from transformers import (LlamaConfig, LlamaForCausalLM, Olmo2Config, Olmo2ForCausalLM,
-                          PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from lopd import agent, latent, models, trainer
+from lopd import agent, chat, latent, models, policies, trainer
 from lopd.cli import main
 from lopd.composer import Composer, ComposerPolicy
 from lopd.config import ComposerConfig
@@ -191,7 +198,7 @@ def family(request, tmp_path_factory):
     fam = FAMILIES[name]
     root = tmp_path_factory.mktemp(name)
     tokenizer = family_tokenizer(fam)
-    assert models.LATENT_TOKEN not in tokenizer.get_vocab()
+    assert chat.LATENT_TOKEN not in tokenizer.get_vocab()
     models.save_model(family_model(fam, tokenizer), tokenizer, root / "source")
     figures = root / "prepare.json"
     assert main(["model", "prepare", str(root / "source"), "--out", str(root / "prepared"),
@@ -207,7 +214,7 @@ def test_prepare_adds_the_latent_token_with_the_mean_row(family):
     name, fam, source, prepared, figures = family
     before, old_tok = models.load_model(source)
     after, tokenizer = models.load_model(prepared)
-    latent_id = tokenizer.convert_tokens_to_ids(models.LATENT_TOKEN)
+    latent_id = tokenizer.convert_tokens_to_ids(chat.LATENT_TOKEN)
     assert figures["latent_token"] == "added" and figures["latent_id"] == latent_id == len(old_tok)
     assert len(tokenizer) == len(old_tok) + 1
     assert tokenizer.encode("a<|latent|><|latent|>b", add_special_tokens=False).count(latent_id) == 2
@@ -244,7 +251,7 @@ def test_info_reports_the_latent_token_and_the_checks(family, tmp_path, capsys):
     assert main(["model", "info", str(prepared), "--json", str(tmp_path / "prep.json")]) == 0
     src, prep = (json.loads((tmp_path / f).read_text()) for f in ("src.json", "prep.json"))
     assert src["latent_token"] is None and src["chat_template_checks"] == "failed: <|latent|> token"
-    assert prep["latent_token"] == models.LATENT_TOKEN and prep["chat_template_checks"] == "pass"
+    assert prep["latent_token"] == chat.LATENT_TOKEN and prep["chat_template_checks"] == "pass"
     assert prep["stops_at_turn_end"] and prep["turn_end_token"] == family[1].turn_end
     assert "reference block placement" in capsys.readouterr().out
 
@@ -255,7 +262,7 @@ def test_info_reports_the_latent_token_and_the_checks(family, tmp_path, capsys):
 
 def _oracle_rollouts(tokenizer, n=3):
     env = get_env("toolworld", seed=0, sizes=SIZES)
-    return agent.run_episodes(env, env.tasks("train")[:n], agent.OraclePolicy(), tokenizer,
+    return agent.run_episodes(env, env.tasks("train")[:n], policies.OraclePolicy(), tokenizer,
                               max_turns=8, max_new_tokens=96, batch_size=n)
 
 
@@ -264,7 +271,7 @@ def test_the_header_is_the_templates_own_and_opens_the_first_user_message(family
     tokenizer = models.load_tokenizer(prepared)
     fmt = latent.ReferenceFormat.for_tokenizer(tokenizer)
     assert tokenizer.decode(fmt.header) == fam.header
-    assert models.turn_end_token(tokenizer) == fam.turn_end
+    assert chat.turn_end_token(tokenizer) == fam.turn_end
     for rollout in _oracle_rollouts(tokenizer) + [agent.probe_rollout(tokenizer)]:
         assert rollout.reward == 1.0
         ids, at = latent.insert_reference(rollout.input_ids, fmt.latent_block(3), fmt)
@@ -309,12 +316,12 @@ def test_a_header_ending_in_a_space_that_merges_with_the_content(tmp_path):
     fam = Family(template, "User:", "<|eot|>", eos="<|eot|>", pad="<|pad|>", bos="<|bos|>",
                  arch="llama", llama_split=True, special=("<|bos|>", "<|eot|>", "<|pad|>"))
     tokenizer = family_tokenizer(fam)
-    tokenizer.add_special_tokens({"extra_special_tokens": [models.LATENT_TOKEN]})
+    tokenizer.add_special_tokens({"extra_special_tokens": [chat.LATENT_TOKEN]})
     fmt = latent.ReferenceFormat.for_tokenizer(tokenizer)
     assert tokenizer.decode(fmt.header) == "User:"
     for user in ("Cancel order O12.", "42 items", "[urgent] hold S1", "über"):
         messages = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": user}]
-        ids = models.render(tokenizer, messages)
+        ids = chat.render(tokenizer, messages)
         new, at = latent.insert_reference(ids, fmt.latent_block(2), fmt)
         assert tokenizer.decode(new[:at]).endswith("User:")
         assert tokenizer.decode(new[at + len(fmt.latent_block(2)):]).startswith(" " + user)
@@ -378,7 +385,7 @@ def test_latents_reproduce_the_plain_run_through_the_engine_and_the_composer_pol
     fmt = latent.ReferenceFormat.for_tokenizer(tokenizer)
     env = get_env("toolworld", seed=0, sizes=SIZES)
     tasks = env.tasks("train")[:3]
-    prompts = [models.render(tokenizer, env.reset(t).messages(), t.tools, add_generation_prompt=True)
+    prompts = [chat.render(tokenizer, env.reset(t).messages(), t.tools, add_generation_prompt=True)
                for t in tasks]
     n = SPEC.num_latents
     known = model.get_input_embeddings()(torch.tensor([_known_ids(tokenizer, n)])).detach()
@@ -396,7 +403,7 @@ def test_latents_reproduce_the_plain_run_through_the_engine_and_the_composer_pol
     policy = ComposerPolicy(TransformersEngine(composer.base, tokenizer), composer, None, params,
                             n_ret=1)
     policy._latents_for = lambda ts: known.expand(len(ts), -1, -1)
-    contexts = [agent.TurnContext(t, 0, p) for t, p in zip(tasks, prompts)]
+    contexts = [policies.TurnContext(t, 0, p) for t, p in zip(tasks, prompts)]
     for a, b in zip(reference, policy.act(contexts, 12, tokenizer)):
         assert a.token_ids == b.token_ids
         assert max(abs(p - q) for p, q in zip(a.logprobs, b.logprobs)) < 1e-5
@@ -431,7 +438,7 @@ def test_latents_reproduce_the_plain_run_through_the_teacher(family):
 def test_freeze_token_rows_keeps_the_latent_rows_through_an_update(family):
     _, fam, _, prepared, _ = family
     model, tokenizer = models.load_model(prepared)
-    latent_id = tokenizer.convert_tokens_to_ids(models.LATENT_TOKEN)
+    latent_id = tokenizer.convert_tokens_to_ids(chat.LATENT_TOKEN)
     handles = models.freeze_token_rows(model, [latent_id])
     embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     assert len(handles) == (1 if fam.tied else 2)
@@ -514,7 +521,7 @@ def test_rendering_the_template_once_per_opening_and_piece_form_changes_no_token
     gold replays and random actions (malformed calls, error observations) of every family."""
     _, _, _, prepared, _ = family
     tokenizer = models.load_tokenizer(prepared)
-    for policy_of in (agent.OraclePolicy, lambda: agent.RandomPolicy(seed=3)):
+    for policy_of in (policies.OraclePolicy, lambda: policies.RandomPolicy(seed=3)):
         fast, full, forms = _episodes_both_ways(monkeypatch, tokenizer, policy_of)
         assert sum(r.num_turns for r in fast) > len(fast)
         assert [r.input_ids for r in fast] == [r.input_ids for r in full]
@@ -529,7 +536,7 @@ def test_a_template_that_edits_tool_content_is_rendered_in_full(monkeypatch):
         "'<|tool|>\\n' + message.content + '\\n'", "'<|tool|>\\n' + message.content | trim + '\\n'")
     assert "| trim" in tokenizer.chat_template
     fast, full, forms = _episodes_both_ways(monkeypatch, tokenizer,
-                                            lambda: agent.RandomPolicy(seed=3))
+                                            lambda: policies.RandomPolicy(seed=3))
     assert [r.input_ids for r in fast] == [r.input_ids for r in full]
     assert forms and set(forms.values()) == {None}
 
@@ -537,6 +544,6 @@ def test_a_template_that_edits_tool_content_is_rendered_in_full(monkeypatch):
 def test_the_embedded_tokenizer_takes_the_template_shortcuts_exactly(monkeypatch):
     tokenizer = models.load_tokenizer(str(models.EMBEDDED["toolworld-1m"]))
     fast, full, forms = _episodes_both_ways(monkeypatch, tokenizer,
-                                            lambda: agent.RandomPolicy(seed=5))
+                                            lambda: policies.RandomPolicy(seed=5))
     assert [r.input_ids for r in fast] == [r.input_ids for r in full]
     assert forms and None not in forms.values()

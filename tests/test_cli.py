@@ -98,10 +98,10 @@ def test_quickstart_rebuild_runs_every_stage_then_reuses_them(tmp_path, capsys, 
 
 def test_quickstart_uses_the_embedded_composer_and_bank(tmp_path, capsys, monkeypatch):
     from conftest import make_lopd_inputs
-    from lopd import pipeline
+    from lopd import pipeline, stages
 
     assets = make_lopd_inputs(tmp_path / "assets")
-    (assets / "bank" / pipeline.PROVENANCE_FILE).write_text(json.dumps(
+    (assets / "bank" / stages.PROVENANCE_FILE).write_text(json.dumps(
         {"bank_rollouts": 40, "commands": ["lopd bank build --agent oracle --limit 40"]}))
     monkeypatch.setattr(pipeline, "EMBEDDED_BANK", assets / "bank")
     monkeypatch.setattr(pipeline, "EMBEDDED_COMPOSER", assets / "composer")

@@ -7,8 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from lopd.chat import FinalAnswer, Malformed
 from lopd.envs import get_env
-from lopd.envs.environment import FinalAnswer, Malformed
 from lopd.envs.codegen import extract_code, fence, pass_at_k
 from lopd.envs.codeworld import CodeWorld, assemble, call_text
 from lopd.envs.codeworld.problems import TEMPLATES, expected_values

@@ -3,12 +3,13 @@ import copy
 import pytest
 import torch
 
-from lopd import agent, models
+from lopd import agent, models, policies
 from lopd.algorithms import cold_start as cs
 from lopd.composer import Composer
 from lopd.config import ColdStartConfig, ComposerConfig
+from lopd.embedding import EmbedderSpec, load_embedder
 from lopd.envs import get_env
-from lopd.experience import EmbedderSpec, ExperienceBank, load_embedder, retrieve_traces
+from lopd.experience import ExperienceBank, retrieve_traces
 from lopd.latent import ReferenceFormat, insert_reference
 from lopd.teacher import LatentContext
 
@@ -21,7 +22,7 @@ def setting(tmp_path_factory):
     model, tokenizer = models.load_model("toolworld-1m")
     env = get_env("toolworld", seed=0, sizes={"eval": 4, "train": 40, "pretrain": 0})
     tasks = env.tasks("train")
-    rollouts = agent.run_episodes(env, tasks, agent.OraclePolicy(), tokenizer, max_turns=8,
+    rollouts = agent.run_episodes(env, tasks, policies.OraclePolicy(), tokenizer, max_turns=8,
                                   max_new_tokens=96, batch_size=40)
     bank = ExperienceBank.create(tmp_path_factory.mktemp("bank"),
                                  load_embedder(EmbedderSpec(kind="policy", path="toolworld-1m")))
@@ -111,8 +112,8 @@ def test_cold_start_lowers_the_teacher_nll_and_leaves_the_base_alone(setting):
 
 
 def test_base_plus_composer_agent_acts_with_latents(setting):
+    from lopd.chat import LATENT_TOKEN
     from lopd.composer import ComposerPolicy
-    from lopd.models import LATENT_TOKEN
     from lopd.rollout import SamplingParams, TransformersEngine
 
     model, tokenizer, bank, rollouts = setting

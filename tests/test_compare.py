@@ -174,7 +174,7 @@ def test_a_tiny_comparison_runs_and_reuses_finished_runs(tmp_path, monkeypatch):
         for key in ("mean_reward", "success_rate"):
             assert parallel["per_seed"][algo][key] == pytest.approx(report["per_seed"][algo][key])
     # A second compare reuses every finished run instead of training again.
-    from lopd import pipeline
+    from lopd import pipeline, stages
 
     monkeypatch.setattr(pipeline, "train",
                         lambda *a, **k: pytest.fail("should reuse the finished run"))
@@ -183,7 +183,7 @@ def test_a_tiny_comparison_runs_and_reuses_finished_runs(tmp_path, monkeypatch):
     # --transfer scores the base and every final student on another environment's eval split:
     # the last checkpoint's student of each run, cached next to the run, one column in the table.
     scored = []
-    real = pipeline.evaluate_agent
+    real = stages.evaluate_agent
 
     def spy(cfg, agent, model_path, split, *a, **k):
         scored.append((cfg.env.name, str(model_path), split))

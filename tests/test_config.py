@@ -1,6 +1,19 @@
+from dataclasses import dataclass
+from pathlib import Path
+
 import pytest
 
-from lopd.config import Config, ConfigError, describe, load_config
+from lopd.config import (
+    Config,
+    ConfigError,
+    describe,
+    knob,
+    load_config,
+    method_names,
+    method_sections,
+    register_method,
+    unregister_method,
+)
 
 
 def test_the_tiny_preset_differs_from_the_defaults_only_where_it_says_so():
@@ -102,3 +115,96 @@ def test_every_field_is_documented():
                                            "rollout.max_completion_length", "grpo.beta",
                                            "grpo.epsilon", "grpo.epsilon_high", "run.seed"}
     assert all(help_text for _, _, help_text in rows)
+
+
+# ----------------------------------------------------------------------------------------------
+# The registry of method sections that config owns
+
+
+def test_config_imports_nothing_else_of_lopd():
+    """Config is the bottom layer: no import of another lopd module, top-level or in a function
+    (methods are loaded by module name, as plugins)."""
+    import ast
+
+    import lopd.config
+
+    tree = ast.parse(Path(lopd.config.__file__).read_text())
+    imported = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names]
+    imported += [("." * node.level) + (node.module or "") for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom)]
+    assert not [m for m in imported if m.startswith((".", "lopd"))]
+
+
+def test_the_methods_shipped_with_lopd_are_registered():
+    names = method_names()
+    assert names == sorted(names)
+    assert {"lopd", "grpo", "sdft", "opsd", "sdpo", "skill_sd"} <= set(names)
+    sections = method_sections()
+    assert list(sections) == sorted(sections) and set(sections) <= set(names)
+    assert {"lopd", "grpo"} <= set(sections)
+    assert set(Config().methods) == set(sections)
+
+
+@dataclass
+class _ToySection:
+    width: int = knob(3, "How wide.", ge=1)
+
+
+@dataclass
+class _OtherSection:
+    width: int = knob(3, "How wide.", ge=1)
+
+
+@pytest.fixture
+def toy_method():
+    register_method("toy_method", _ToySection)
+    yield "toy_method"
+    unregister_method("toy_method")
+
+
+def test_a_registered_method_is_a_section_and_an_algorithm_value(toy_method):
+    assert "toy_method" in method_names() and method_sections()["toy_method"] is _ToySection
+    cfg = load_config("tiny", ["train.algorithm=toy_method", "toy_method.width=5"])
+    assert cfg.train.algorithm == "toy_method" and cfg.toy_method.width == 5
+    assert "toy_method.width" in {key for key, _, _ in describe()}
+    with pytest.raises(ConfigError, match="toy_method.width"):
+        load_config("tiny", ["toy_method.width=0"])
+    register_method("toy_method", _ToySection)      # the same class again is fine
+    unregister_method("toy_method")
+    assert "toy_method" not in method_names() and "toy_method" not in method_sections()
+    with pytest.raises(ConfigError, match="unknown key 'toy_method'"):
+        load_config("tiny", ["toy_method.width=2"])
+
+
+def test_a_method_without_a_section_is_only_an_algorithm_value():
+    register_method("toy_bare", None)
+    try:
+        assert "toy_bare" in method_names() and "toy_bare" not in method_sections()
+        assert load_config("tiny", ["train.algorithm=toy_bare"]).train.algorithm == "toy_bare"
+    finally:
+        unregister_method("toy_bare")
+
+
+def test_another_section_under_a_taken_name_is_refused_naming_both(toy_method):
+    with pytest.raises(ConfigError, match=r"two config sections for method 'toy_method': "
+                       r".*test_config\._ToySection and .*test_config\._OtherSection"):
+        register_method("toy_method", _OtherSection)
+    with pytest.raises(ConfigError, match="_ToySection and no config section"):
+        register_method("toy_method", None)
+    assert method_sections()["toy_method"] is _ToySection
+
+
+@pytest.mark.parametrize("name, message", [
+    ("", "method: name must be a lower-case identifier, got ''"),
+    ("Toy", "method: name must be a lower-case identifier, got 'Toy'"),
+    ("toy-method", "method: name must be a lower-case identifier, got 'toy-method'"),
+    ("train", "algorithm name 'train' is taken by a config section or 'base'"),
+    ("cold_start", "algorithm name 'cold_start' is taken by a config section or 'base'"),
+    ("base", "algorithm name 'base' is taken by a config section or 'base'"),
+])
+def test_a_bad_method_name_is_refused(name, message):
+    with pytest.raises(ConfigError) as info:
+        register_method(name, _ToySection)
+    assert str(info.value) == message
+    assert name not in method_names()

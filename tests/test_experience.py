@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from lopd import agent, experience
+from lopd import agent, experience, policies
 from lopd.cli import main
+from lopd.embedding import EmbedderSpec, TransformersEmbedder, load_embedder
 from lopd.envs.toolworld import ToolWorld
-from lopd.experience import (BankError, EmbedderSpec, Experience, ExperienceBank,
-                             TransformersEmbedder, load_embedder, retrieval_quality)
+from lopd.experience import BankError, Experience, ExperienceBank, retrieval_quality
 
 faiss.omp_set_num_threads(1)
 
@@ -34,7 +34,7 @@ def embedder(tiny_model, tiny_tokenizer):
 def entries(env, tiny_tokenizer):
     """Experiences of oracle rollouts (reward 1) of every training task."""
     tasks = env.tasks("train")
-    rollouts = agent.run_episodes(env, tasks, agent.OraclePolicy(), tiny_tokenizer, max_turns=8,
+    rollouts = agent.run_episodes(env, tasks, policies.OraclePolicy(), tiny_tokenizer, max_turns=8,
                                   max_new_tokens=96, batch_size=16)
     assert all(r.reward == 1.0 for r in rollouts)
     return [Experience.from_rollout(r, t, source="oracle") for r, t in zip(rollouts, tasks)]
@@ -122,7 +122,7 @@ def test_leave_one_out_by_default(bank, embedder, entries):
 
 def test_an_eval_split_entry_is_refused_and_nothing_is_written(bank, env, tiny_tokenizer):
     task = env.tasks("eval")[0]
-    (rollout,) = agent.run_episodes(env, [task], agent.OraclePolicy(), tiny_tokenizer,
+    (rollout,) = agent.run_episodes(env, [task], policies.OraclePolicy(), tiny_tokenizer,
                                     max_turns=8, max_new_tokens=96, batch_size=1)
     eval_entry = Experience.from_rollout(rollout, task)
     train_entry = replace(bank.entries[0], trace=bank.entries[0].trace + "\n(new)",
@@ -330,7 +330,7 @@ def test_refresh_picks_up_entries_another_writer_added(bank, embedder, entries):
 
 def test_the_papers_embedder_setting_is_expressible_in_config(tmp_path, embedder):
     from lopd.config import load_config
-    from lopd.experience import spec_from_config
+    from lopd.embedding import spec_from_config
 
     path = tmp_path / "paper.yaml"
     path.write_text('bank:\n  embedder: hf\n  embedder_path: /models/Qwen3-Embedding-8B\n'
@@ -360,7 +360,7 @@ def test_added_rollouts_are_kept_for_the_cold_start(tmp_path):
     _, tokenizer = models.load_model("toolworld-1m")
     env = get_env("toolworld", seed=0, sizes={"eval": 2, "train": 6, "pretrain": 0})
     tasks = env.tasks("train")
-    rollouts = agent.run_episodes(env, tasks, agent.OraclePolicy(), tokenizer, max_turns=8,
+    rollouts = agent.run_episodes(env, tasks, policies.OraclePolicy(), tokenizer, max_turns=8,
                                   max_new_tokens=96, batch_size=6)
     bank = ExperienceBank.create(tmp_path, load_embedder(EmbedderSpec(kind="policy", path="toolworld-1m")))
     by_id = {t.task_id: t for t in tasks}

@@ -16,8 +16,7 @@ from lopd.algorithms.base import MicroBatch, Scores, Totals
 from lopd.algorithms.grpo import GRPO, GRPOConfig
 from lopd.config import ConfigError, RolloutConfig
 from lopd.rollout.engine import check_sampling
-from test_algorithms import (LR, assert_same, inputs, mixed_batch,  # noqa: F401 (fixture)
-                             run_step, snapshot)
+from test_algorithms import LR, assert_same, inputs, mixed_batch, run_step, snapshot  # noqa: F401 (fixture)
 
 EPS = 1e-4
 

@@ -4,7 +4,7 @@ whole conversation every turn, with far fewer tokens prefilled, and never a stal
 import pytest
 import torch
 
-from lopd import agent, models
+from lopd import agent, chat, models, policies
 from lopd.envs import get_env
 from lopd.rollout import SamplingParams, TransformersEngine
 from lopd.runtime import length_groups
@@ -18,7 +18,7 @@ def toolworld():
 
 def episodes(model, tokenizer, env, tasks, reuse, params, batch_size=4):
     engine = TransformersEngine(model, tokenizer, reuse_cache=reuse)
-    policy = agent.ModelPolicy(engine, tokenizer, params)
+    policy = policies.ModelPolicy(engine, tokenizer, params)
     rollouts = agent.run_episodes(env, tasks, policy, tokenizer, max_turns=8, max_new_tokens=48,
                                   batch_size=batch_size)
     return rollouts, engine
@@ -133,7 +133,7 @@ def test_kept_caches_with_latents_through_the_composer_agent(toolworld):
 
     fmt = ReferenceFormat.for_tokenizer(tokenizer)
     block = fmt.latent_block(3 * composer.spec.num_latents)
-    prompt = insert_reference(models.render(tokenizer, env.reset(tasks[0]).messages(),
+    prompt = insert_reference(chat.render(tokenizer, env.reset(tasks[0]).messages(),
                                             tasks[0].tools, add_generation_prompt=True),
                               block, fmt)[0]
     engine = TransformersEngine(composer.base, tokenizer)
@@ -156,7 +156,7 @@ def test_a_call_without_latents_never_borrows_a_cache_made_with_latents():
     model, tokenizer = models.load_model("toolworld-1m")
     model = model.double().eval()
     words = tokenizer(" ".join("abcdefghijklmnopqrst"), add_special_tokens=False)["input_ids"]
-    latent_id = tokenizer.convert_tokens_to_ids(models.LATENT_TOKEN)
+    latent_id = tokenizer.convert_tokens_to_ids(chat.LATENT_TOKEN)
     prompt = words[:4] + [latent_id] * 3 + words[4:]
     assert len(prompt) > TransformersEngine.MIN_SHARED
     z = torch.randn(1, 3, model.config.hidden_size, dtype=torch.float64,

@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from conftest import lopd_config, make_lopd_inputs
-from lopd import agent, models, trainer
+from lopd import agent, models, policies, trainer
 from lopd.algorithms.base import StepBatch, micro_batches
 
 
@@ -64,7 +64,7 @@ def _deltas_on_a_fixed_batch(inputs, run_dir, steps, **sets):
                                   "lopd.composer_learning_rate": 1e-2, "train.learning_rate": 1e-9,
                                   **sets})
     tasks = trainer.tasks_for_step(t.train_tasks, 0, 1, 4)
-    rollouts = agent.run_episodes(t.env, tasks, agent.OraclePolicy(), t.ctx.tokenizer, 8, 96, 4)
+    rollouts = agent.run_episodes(t.env, tasks, policies.OraclePolicy(), t.ctx.tokenizer, 8, 96, 4)
     t.ctx.student.load_state_dict(models.build_model(t.ctx.tokenizer, "qwen3-1m", seed=1).state_dict())
     batch = StepBatch(1, tasks, rollouts)
     return [t.algorithm.step(batch)["delta"] for _ in range(steps)]
@@ -152,8 +152,8 @@ def test_grpo_step_changes_the_student_from_rewards_alone(inputs, tmp_path):
     assert t.algorithm.group_size == 2
     pair = trainer.tasks_for_step(t.train_tasks, 0, 1, 2)
     # Each group: a junk rollout and the gold one, so the advantages are +-1.
-    junk = agent.run_episodes(t.env, pair, agent.RandomPolicy(seed=0), t.ctx.tokenizer, 3, 48, 2)
-    gold = agent.run_episodes(t.env, pair, agent.OraclePolicy(), t.ctx.tokenizer, 8, 96, 2)
+    junk = agent.run_episodes(t.env, pair, policies.RandomPolicy(seed=0), t.ctx.tokenizer, 3, 48, 2)
+    gold = agent.run_episodes(t.env, pair, policies.OraclePolicy(), t.ctx.tokenizer, 8, 96, 2)
     batch = StepBatch(1, [pair[0], pair[0], pair[1], pair[1]],
                               [junk[0], gold[0], junk[1], gold[1]])
     assert [r.success for r in batch.rollouts] == [False, True, False, True]

@@ -1,16 +1,16 @@
 import torch
 
-from lopd import models
+from lopd import chat, models, pipeline
 
 
 def test_special_tokens_survive_save_and_load(tiny_tokenizer, tmp_path):
     tiny_tokenizer.save_pretrained(tmp_path)
     loaded = models.load_tokenizer(tmp_path)
-    for token in models.SPECIAL_TOKENS:
+    for token in chat.SPECIAL_TOKENS:
         ids = loaded.encode(token, add_special_tokens=False)
         assert len(ids) == 1, token                       # never split into pieces
         assert ids == tiny_tokenizer.encode(token, add_special_tokens=False)
-    assert loaded.pad_token == models.PAD_TOKEN and loaded.eos_token == models.IM_END
+    assert loaded.pad_token == chat.PAD_TOKEN and loaded.eos_token == chat.IM_END
     assert loaded.padding_side == "left"
     text = "<|im_start|>user\nfind order O123<|latent|><|latent|><tool_call>{}</tool_call><|im_end|>"
     assert loaded.encode(text) == tiny_tokenizer.encode(text)
@@ -44,8 +44,8 @@ def test_chat_template_renders_every_role(tiny_tokenizer):
     # Tools without a system message still get a system turn; rendering matches the tokenizer-free path.
     no_system = tiny_tokenizer.apply_chat_template(CHAT[1:2], tools=TOOLS, tokenize=False)
     assert no_system.startswith("<|im_start|>system\nTools:\n- get_order(order_id)")
-    assert models.render_chat(CHAT, tools=TOOLS) == text
-    assert models.render_chat(CHAT[1:2], tools=TOOLS) == no_system
+    assert chat.render_chat(CHAT, tools=TOOLS) == text
+    assert chat.render_chat(CHAT[1:2], tools=TOOLS) == no_system
 
 
 def test_chat_template_tokenizes_to_a_dict(tiny_tokenizer):
@@ -60,7 +60,7 @@ def test_model_save_load_gives_identical_logits(tiny_tokenizer, tiny_model, tmp_
     ids = torch.tensor([tokenizer.encode("<|im_start|>user\nhello order O12<|im_end|>")])
     with torch.no_grad():
         assert torch.equal(tiny_model(ids).logits, loaded(ids).logits)
-    assert models.model_info(tmp_path)["parameters"] == models.count_parameters(tiny_model)
+    assert pipeline.model_info(tmp_path)["parameters"] == models.count_parameters(tiny_model)
 
 
 def test_seed_makes_initialisation_reproducible(tiny_tokenizer):
@@ -96,7 +96,7 @@ def test_lopd_loads_print_no_progress_bar_and_raise_no_future_warning(capfd, rec
     from transformers.utils import logging as hf_logging
 
     from lopd.composer import Composer
-    from lopd.experience import EmbedderSpec, load_embedder
+    from lopd.embedding import EmbedderSpec, load_embedder
 
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.enable_progress_bar()                    # as in the demo, whatever the environment

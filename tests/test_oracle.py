@@ -5,8 +5,8 @@ oracle trajectories refuse in one line."""
 
 import pytest
 
-from lopd import agent, models
-from lopd.envs import get_env
+from lopd import agent, models, policies
+from lopd.envs import environment, get_env
 from lopd.envs.codeworld import CodeWorld
 from lopd.envs.environment import OracleError
 
@@ -19,7 +19,7 @@ def toolworld():
 def test_toolworld_oracle_trace_is_the_compact_trace_of_the_oracles_rollout(toolworld):
     _, tokenizer = models.load_model("toolworld-1m")
     tasks = toolworld.tasks("train")
-    rollouts = agent.run_episodes(toolworld, tasks, agent.OraclePolicy(), tokenizer, max_turns=8,
+    rollouts = agent.run_episodes(toolworld, tasks, policies.OraclePolicy(), tokenizer, max_turns=8,
                                   max_new_tokens=96, batch_size=12)
     assert all(r.success for r in rollouts)
     for chars in (80, 20):
@@ -38,7 +38,7 @@ def test_codeworld_oracle_trace_is_the_compact_trace_of_the_reference_answer():
     world = CodeWorld(sizes={"train": 6, "eval": 2, "pretrain": 0}, verify=False)
     _, tokenizer = models.load_model("codeworld-1m")
     tasks = world.tasks("train")
-    rollouts = agent.run_episodes(world.for_transcripts(), tasks, agent.OraclePolicy(), tokenizer,
+    rollouts = agent.run_episodes(world.for_transcripts(), tasks, policies.OraclePolicy(), tokenizer,
                                   max_turns=1, max_new_tokens=200, batch_size=6)
     for task, rollout in zip(tasks, rollouts):
         assert world.oracle_trace(task, 1000) == rollout.compact_trace(1000)
@@ -55,9 +55,9 @@ def test_codeworld_oracle_trace_is_the_compact_trace_of_the_reference_answer():
     retry = CodeWorld(sizes={"train": 6, "eval": 2, "pretrain": 0}, verify=False, attempts=2)
     task = retry.tasks("train")[0]
     wrong = "```python\ndef nothing():\n    return None\n```"
-    turns = agent.replay_turns(retry, task, [wrong, task.oracle_texts()[0]])
+    turns = environment.replay_turns(retry, task, [wrong, task.oracle_texts()[0]])
     assert [t["kind"] for t in turns] == ["code", "code"]
-    trace = agent.compact_trace(task.instruction, turns, 30)
+    trace = environment.compact_trace(task.instruction, turns, 30)
     assert trace.startswith(f"Task: {task.instruction}\n1. answer:\n")
     lines = trace[len(f"Task: {task.instruction}\n"):].split("\n")
     assert lines[:5] == ["1. answer:", "```python", "def nothing():", "    return None", "```"]
@@ -74,9 +74,9 @@ def test_toolworld_traces_are_byte_identical_to_the_traces_before_code_answers()
     env = get_env("toolworld", seed=0, sizes={"train": 8, "eval": 2, "pretrain": 0})
     tasks = env.tasks("train")
     _, tok = models.load_model("toolworld-1m")
-    junk = agent.run_episodes(env, tasks, agent.RandomPolicy(seed=0), tok, 3, 48, 8)
+    junk = agent.run_episodes(env, tasks, policies.RandomPolicy(seed=0), tok, 3, 48, 8)
     chatter = "I think the order is fine, nothing to do here at all really, so I will stop now."
-    junk += agent.run_episodes(env, tasks, agent.FixedTextPolicy(chatter), tok, 2, 48, 8)
+    junk += agent.run_episodes(env, tasks, policies.FixedTextPolicy(chatter), tok, 2, 48, 8)
     assert {t["kind"] for r in junk for t in r.turns} == {"answer", "malformed", "tool_call"}
     traces = ([env.oracle_trace(t) for t in tasks] + [r.compact_trace(80) for r in junk]
               + [r.compact_trace(20) for r in junk])

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from lopd import agent, models, runtime, trainer
+from lopd import agent, models, policies, runtime, trainer
 from lopd.algorithms import get_algorithm
 from lopd.algorithms.base import StepBatch
 from lopd.composer import Composer
@@ -24,8 +24,8 @@ def grpo_trainer(tmp_path, precision):
 def gold_and_junk(t):
     """Two groups, each a random (failing) rollout and the gold one: advantages ±1."""
     pair = trainer.tasks_for_step(t.train_tasks, 0, 1, 2)
-    junk = agent.run_episodes(t.env, pair, agent.RandomPolicy(seed=0), t.ctx.tokenizer, 3, 48, 2)
-    gold = agent.run_episodes(t.env, pair, agent.OraclePolicy(), t.ctx.tokenizer, 8, 96, 2)
+    junk = agent.run_episodes(t.env, pair, policies.RandomPolicy(seed=0), t.ctx.tokenizer, 3, 48, 2)
+    gold = agent.run_episodes(t.env, pair, policies.OraclePolicy(), t.ctx.tokenizer, 8, 96, 2)
     return StepBatch(1, [pair[0], pair[0], pair[1], pair[1]], [junk[0], gold[0], junk[1], gold[1]])
 
 

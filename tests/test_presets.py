@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from lopd import agent, models, trainer
+from lopd import agent, models, policies, trainer
 from lopd.cli import main
 from lopd.composer import Composer
 from lopd.config import load_config
+from lopd.embedding import EmbedderSpec, load_embedder
 from lopd.envs import get_env
-from lopd.experience import EmbedderSpec, ExperienceBank, load_embedder
+from lopd.experience import ExperienceBank
 
 PRESETS = {"qwen3-4b": 2, "qwen3-8b": 2, "olmo3-7b": 4}
 """Preset -> decoder layers of its reduced model (OLMo's fourth layer is its full-attention one)."""
@@ -47,7 +48,7 @@ def test_a_reduced_model_of_each_preset_runs_one_lopd_step(preset, tmp_path):
     models.save_model(model, tokenizer, tmp_path / "model")
     env = get_env("toolworld", seed=0, sizes={"train": 24, "eval": 2, "pretrain": 0})
     tasks = env.tasks("train")
-    gold = agent.run_episodes(env, tasks, agent.OraclePolicy(), tokenizer, 8, 96, len(tasks))
+    gold = agent.run_episodes(env, tasks, policies.OraclePolicy(), tokenizer, 8, 96, len(tasks))
     with ExperienceBank.create(tmp_path / "bank", load_embedder(EmbedderSpec(kind="minilm"))) as bank:
         bank.add_rollouts(gold, {t.task_id: t for t in tasks}, source="oracle")
     sets = [f"model.name_or_path={tmp_path / 'model'}", "env.train_size=24", "env.eval_size=2",

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import lopd_config, make_lopd_inputs
-from lopd import losses, pipeline, trainer
+from lopd import losses, pipeline, stages, trainer
 from lopd.algorithms import get_algorithm
 from lopd.experience import BankError, ExperienceBank
 
@@ -117,7 +117,6 @@ def test_random_retrieval_draws_other_tasks_entries_reproducibly(inputs, tmp_pat
     the nearest ones, the same draw for the same seed, step and task (so resume and a split batch
     draw the same), another draw at another step."""
     from conftest import junk_and_gold_batch
-
     from lopd.experience import random_entries, retrieve
 
     near = trainer.Trainer(lopd_config(inputs), tmp_path / "near", get_algorithm("lopd"),
@@ -185,7 +184,7 @@ def test_cold_start_validation_carve_out_is_withheld_and_measured_per_epoch(inpu
     cfg = lopd_config(inputs, **{"cold_start.epochs": 2, "cold_start.batch_size": 8,
                                  "cold_start.validation_tasks": 4,
                                  "cold_start.validation_samples": 2, "rollout.temperature": 1.0})
-    validation = {t.task_id for t in pipeline.get_env(cfg).tasks("train")[-4:]}
+    validation = {t.task_id for t in stages.get_env(cfg).tasks("train")[-4:]}
     with ExperienceBank.open(inputs / "bank") as source:
         n = len(source)
         kept = len([e for e in source.entries if e.task_id not in validation])

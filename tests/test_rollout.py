@@ -148,13 +148,13 @@ def test_generate_keeps_training_mode_and_handles_empty(tiny_model, tiny_tokeniz
 
 
 def test_rollout_engine_vllm_without_vllm_says_how_to_install(monkeypatch):
-    from lopd import pipeline
+    from lopd import pipeline, stages
     from lopd.config import ConfigError, RolloutConfig
 
     monkeypatch.setattr(pipeline, "ENGINES", ("transformers",))
     with pytest.raises(ConfigError, match=r"needs vLLM.*make test-vllm.*\[vllm\]"):
-        pipeline.check_engine(RolloutConfig(engine="vllm"))
-    pipeline.check_engine(RolloutConfig(engine="transformers"))
+        stages.check_engine(RolloutConfig(engine="vllm"))
+    stages.check_engine(RolloutConfig(engine="transformers"))
 
 
 def test_vllm_weights_of_plain_injected_and_peft_models(tiny_model):

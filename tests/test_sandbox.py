@@ -320,7 +320,8 @@ def test_the_channel_parser_never_raises_on_random_or_deep_input():
     import json
     import random
 
-    from lopd.envs.sandbox import _Calls, _value, parse_record
+    from lopd.envs.confinement import Calls, parse_record
+    from lopd.envs.sandbox import _value
 
     rng = random.Random(0)
     samples = [bytes(rng.randrange(256) for _ in range(rng.randrange(64))) for _ in range(2000)]
@@ -346,7 +347,7 @@ def test_the_channel_parser_never_raises_on_random_or_deep_input():
     junk = [{}, {"ready": 3}, {"ready": ""}, {"begin": 0}, {"begin": 1}, {"i": 0}, {"i": 0,
             "value": 1}, {"i": 0, "error": 3}, {"i": 0, "error": "x", "value": 1}, {"i": "0"}]
     for _ in range(500):
-        protocol = _Calls(0, 2, 1.0, 1e12)
+        protocol = Calls(0, 2, 1.0, 1e12)
         for record in rng.choices(junk, k=6):
             if not protocol.feed(record):
                 break
@@ -354,8 +355,9 @@ def test_the_channel_parser_never_raises_on_random_or_deep_input():
 
 
 def test_plain_data_round_trips_exact_types_and_refuses_the_rest():
-    from lopd.envs.sandbox_harness import Unencodable, decode, dumps
     import json
+
+    from lopd.envs.sandbox_harness import Unencodable, decode, dumps
 
     value = [1, -2.5, float("inf"), "s\ud800", None, True, (1, (2,)), {1: "a", (2, 3): [4]},
              {1, 2}, frozenset({"x"}), b"\x00\xff", 1 + 2j]
@@ -369,10 +371,10 @@ def test_plain_data_round_trips_exact_types_and_refuses_the_rest():
 
 def test_without_bubblewrap_untrusted_code_is_refused_unless_the_unsafe_mode_is_chosen(
         monkeypatch, capsys):
-    from lopd.envs import sandbox
+    from lopd.envs import confinement, sandbox
 
     sandbox.isolation.cache_clear()
-    monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)
+    monkeypatch.setattr(confinement.shutil, "which", lambda name: None)
     try:
         with pytest.raises(sandbox.SandboxUnavailable, match=re.escape(
                 "untrusted code is not run: bubblewrap (bwrap) is not installed; install it with "
@@ -478,11 +480,11 @@ def test_the_private_tmp_is_bounded_and_everything_else_is_read_only():
 
 
 def test_parallel_runs_are_sized_to_fit_the_hosts_memory():
-    from lopd.envs.sandbox import _memory_workers
+    from lopd.envs.confinement import memory_workers
 
     assert Limits().host_mb == 1024 + 64 + 8
-    assert _memory_workers(Limits(memory_mb=1 << 40)) == 1
-    assert _memory_workers(Limits(memory_mb=1)) >= 2
+    assert memory_workers(Limits(memory_mb=1 << 40)) == 1
+    assert memory_workers(Limits(memory_mb=1)) >= 2
 
 
 def _parent_cpu_seconds(fn):

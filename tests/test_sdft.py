@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import junk_and_gold_batch, resume_keeps_the_ema_teacher, scored_length, small_config
-from lopd import losses, models, pipeline, trainer
+from lopd import losses, models, pipeline, stages, trainer
 from lopd.algorithms import get_algorithm
 from lopd.algorithms.base import micro_batches
 from lopd.algorithms.sdft import DEMONSTRATION_PREFIX
@@ -115,7 +115,7 @@ def test_an_environment_without_oracle_trajectories_fails_at_start_up(tmp_path, 
                                                                        capsys, algo):
     from lopd.cli import main
 
-    real = pipeline.get_env
+    real = stages.get_env
 
     def no_oracles(cfg):
         env = real(cfg)
@@ -135,7 +135,7 @@ def test_an_environment_without_oracle_trajectories_fails_at_start_up(tmp_path, 
 
 @pytest.mark.parametrize("algo", ["sdft", "opsd"])
 def test_an_eval_task_among_the_training_tasks_fails_at_start_up(tmp_path, monkeypatch, algo):
-    real = pipeline.held_out_tasks
+    real = stages.held_out_tasks
 
     def leaky(cfg, env):
         train, held_out = real(cfg, env)

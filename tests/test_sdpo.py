@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import resume_keeps_the_ema_teacher, small_config
-from lopd import agent, losses, models, trainer
+from lopd import agent, losses, models, policies, trainer
 from lopd.algorithms import get_algorithm
 from lopd.algorithms.base import StepBatch, Totals, micro_batches
 from lopd.algorithms.sdpo import SIBLING_PREFIX, sibling_sources
@@ -32,8 +32,8 @@ def group_batch(t, patterns, step=1, tasks=None):
     the k-th junk of a group uses seed k, so junk rollouts differ)."""
     tasks = tasks or trainer.tasks_for_step(t.train_tasks, 0, step, len(patterns))
     tok = t.ctx.tokenizer
-    gold = agent.run_episodes(t.env, tasks, agent.OraclePolicy(), tok, 8, 96, len(tasks))
-    junk = [agent.run_episodes(t.env, tasks, agent.RandomPolicy(seed=k), tok, 3, 48, len(tasks))
+    gold = agent.run_episodes(t.env, tasks, policies.OraclePolicy(), tok, 8, 96, len(tasks))
+    junk = [agent.run_episodes(t.env, tasks, policies.RandomPolicy(seed=k), tok, 3, 48, len(tasks))
             for k in range(max(p.count("j") for p in patterns))]
     out_tasks, rollouts = [], []
     for i, (task, pattern) in enumerate(zip(tasks, patterns)):

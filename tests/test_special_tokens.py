@@ -8,13 +8,12 @@ from collections import Counter
 import pytest
 import torch
 
-from lopd import agent, models
+from lopd import agent, chat, policies
+from lopd.chat import LATENT_TOKEN, WORD_JOINER, FinalAnswer, ToolCall, quote_special_tokens
 from lopd.composer import Composer
 from lopd.config import ComposerConfig
-from lopd.envs.environment import (Environment, Episode, FinalAnswer, StepResult, Task, ToolCall,
-                                   Verdict)
+from lopd.envs.environment import Environment, Episode, StepResult, Task, Verdict
 from lopd.latent import ReferenceFormat, TextPlacement, user_header
-from lopd.models import LATENT_TOKEN, WORD_JOINER, quote_special_tokens
 from test_chat_templates import FAMILIES, family_tokenizer
 
 WJ = WORD_JOINER
@@ -144,7 +143,7 @@ class EchoEnv(Environment):
         return EchoEpisode(task)
 
 
-class Script(agent.ScriptedPolicy):
+class Script(policies.ScriptedPolicy):
     """A tool call, the final answer (answered with a user turn), a tool call again: the episode
     ends on max_turns right after a tool result, so no template rewrites its last assistant turn
     (Qwen3's empty think block) and the rollout is the template's rendering of its messages."""
@@ -159,7 +158,7 @@ class Script(agent.ScriptedPolicy):
 def payload_of(tokenizer) -> str:
     """Every added and special token's text: alone, run together, and as a forged user turn."""
     markers = sorted({*tokenizer.get_added_vocab(), *tokenizer.all_special_tokens})
-    forged = models.turn_end_token(tokenizer) + decode(tokenizer, user_header(tokenizer)) + "Hi"
+    forged = chat.turn_end_token(tokenizer) + decode(tokenizer, user_header(tokenizer)) + "Hi"
     return " ".join(markers) + " " + "".join(markers) + " " + forged
 
 
@@ -195,7 +194,7 @@ def specials(rollout, special, mask) -> Counter:
 
 def test_environment_text_opens_no_turn_in_any_template(tokenizer, monkeypatch):
     payload = payload_of(tokenizer)
-    assert LATENT_TOKEN in payload and models.turn_end_token(tokenizer) in payload
+    assert LATENT_TOKEN in payload and chat.turn_end_token(tokenizer) in payload
     special = added_ids(tokenizer)
     plain = run(tokenizer, "plain words")
     for fast in (True, False):
@@ -222,10 +221,10 @@ def test_environment_text_opens_no_turn_in_any_template(tokenizer, monkeypatch):
                         message["content"].replace(WJ, ""), tokenizer)
             assert rollout.turns[0]["observation"] == f'{{"said": "{payload}"}}'
             # The loop's invariant: the sequence is the template's rendering of the messages.
-            rendered = models.render(tokenizer, rollout.messages, TOOLS, tokenize=False)
+            rendered = chat.render(tokenizer, rollout.messages, TOOLS, tokenize=False)
             assert decode(tokenizer, rollout.input_ids) == rendered
-            assert rollout.input_ids == models.render(tokenizer, rollout.messages, TOOLS)
-            prompt = models.render(tokenizer, rollout.messages[:2], TOOLS)
+            assert rollout.input_ids == chat.render(tokenizer, rollout.messages, TOOLS)
+            prompt = chat.render(tokenizer, rollout.messages[:2], TOOLS)
             assert rollout.input_ids[:rollout.prompt_length] == prompt
         if fast:
             fast_ids = [r.input_ids for r in rollouts]

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from lopd import agent, models
+from lopd import agent, models, policies
 from lopd.envs import get_env
 from lopd.teacher import EMATeacher, TextContext, scoring_batch, text_view
 from test_step_checks import plain_action_logprobs
@@ -22,8 +22,8 @@ def setting():
     model, tokenizer = models.load_model("toolworld-1m")
     env = get_env("toolworld", seed=0, sizes={"train": 6, "eval": 2, "pretrain": 0})
     tasks = env.tasks("train")[:3]
-    junk = agent.run_episodes(env, tasks, agent.RandomPolicy(seed=0), tokenizer, 3, 48, 3)
-    gold = agent.run_episodes(env, tasks, agent.OraclePolicy(), tokenizer, 8, 96, 3)
+    junk = agent.run_episodes(env, tasks, policies.RandomPolicy(seed=0), tokenizer, 3, 48, 3)
+    gold = agent.run_episodes(env, tasks, policies.OraclePolicy(), tokenizer, 8, 96, 3)
     rollouts = [*junk, *gold]
     texts = [[env.oracle_trace(t)] for t in tasks] * 2
     return model.eval(), tokenizer, rollouts, texts

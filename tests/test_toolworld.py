@@ -4,8 +4,9 @@ import json
 
 import pytest
 
+from lopd.chat import FINAL_MARKER, FinalAnswer, Malformed, ToolCall
 from lopd.envs import get_env
-from lopd.envs.environment import FINAL_MARKER, FinalAnswer, Malformed, Task, ToolCall
+from lopd.envs.environment import Task
 from lopd.envs.toolworld import DEFAULT_SIZES, DOMAINS, ToolWorld, instance_key, system_prompt
 
 

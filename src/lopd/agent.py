@@ -1,4 +1,8 @@
-"""The agent: tool-call parsing, policies, and the multi-turn rollout loop with its action masks.
+"""The agent: the multi-turn rollout loop with its action masks, the rollout it records, and the
+check that a tokenizer's chat template does what the loop needs. The policies that write the
+assistant's turns are in :mod:`lopd.policies`; the chat format and the parsing of a model's text
+into an action in :mod:`lopd.chat`; what an episode's turns are, as a record and as a compact
+trace, in :mod:`lopd.envs.environment`.
 
 An episode is one growing token sequence: the chat-template prompt, then for every turn the
 model's generated tokens followed by the template pieces that carry the tool's answer. The loop
@@ -11,13 +15,13 @@ Invariant: ``tokenizer.decode(rollout.input_ids)`` equals
 generation prompt), whatever way the episode ended. The template pieces between turns are cut out
 of the template's own rendering, so this holds for any template that renders message content
 verbatim and closes assistant turns with a special token (ChatML's ``<|im_end|>``, Llama 3's
-``<|eot_id|>``, Tulu/OLMo's eos; :func:`lopd.models.turn_end_token`); Qwen3-style templates that
+``<|eot_id|>``, Tulu/OLMo's eos; :func:`lopd.chat.turn_end_token`); Qwen3-style templates that
 rewrite past turns, e.g. to add or drop reasoning, differ only in those rewritten turns.
 :func:`check_chat_template` tells whether a tokenizer's template does what the loop needs.
 
 What an environment says (the opening's system and user messages, every observation) is text to
 the model, never a special token: the text of the tokenizer's special and added tokens in it is
-quoted (:func:`lopd.models.quote_special_tokens`) before it is rendered, and the messages keep it
+quoted (:func:`lopd.chat.quote_special_tokens`) before it is rendered, and the messages keep it
 quoted, so the invariant holds with them.
 """
 
@@ -25,238 +29,44 @@ from __future__ import annotations
 
 import itertools
 import json
-import random
-import re
-import string
 import weakref
-from abc import ABC, abstractmethod
 from collections import Counter, OrderedDict, deque
-from dataclasses import asdict, dataclass, replace
-from typing import Any
+from dataclasses import asdict, dataclass
 
 from tqdm.auto import tqdm
 
-from lopd.envs.environment import (FINAL_MARKER, Action, Environment, Episode, FinalAnswer, Malformed,
-                            StepResult, Task, ToolCall, Verdict)
+from lopd.chat import (
+    LATENT_TOKEN,
+    PROBE_TOOLS,
+    Action,
+    FinalAnswer,
+    ToolCall,
+    parse_action,
+    quote_special_tokens,
+    render,
+    turn_end_token,
+)
+from lopd.envs.environment import (
+    Environment,
+    Episode,
+    StepResult,
+    Task,
+    Verdict,
+    compact_trace,
+    safe_step,
+    turn_record,
+)
 from lopd.latent import find_subsequence, user_header
-from lopd.models import (LATENT_TOKEN, PROBE_TOOLS, TOOL_CALL_END, TOOL_CALL_START,
-                         quote_special_tokens, render, turn_end_token)
-from lopd.rollout.engine import Generation, RolloutEngine, SamplingParams
+from lopd.policies import OraclePolicy, Policy, TurnContext
+from lopd.rollout.engine import Generation
 
 FINISH_REASONS = ("answer", "max_turns", "max_length", "env_done")
 """Why an episode ended: the agent answered; it used its last turn; the next turn would not fit the
 model's context; the environment ended it after a tool call."""
 
-# ----------------------------------------------------------------------------------------------
-# Parsing the model's text into an action
-
-_TYPE_NAMES = {"string": "a string", "integer": "an integer", "number": "a number",
-               "boolean": "a boolean", "array": "an array", "object": "an object", "null": "null"}
-
-
-def _short(text: str, limit: int = 40) -> str:
-    """``text`` on one line, cut after ``limit`` characters (marked with "...")."""
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _function(tool: dict) -> dict:
-    """The function part of a tool schema, in the HF/OpenAI wrapper format or bare."""
-    return tool.get("function", tool) if isinstance(tool, dict) else {}
-
-
-def _has_type(value: Any, type_name: str) -> bool:
-    # bool is a subclass of int in Python but not an integer or number in JSON schema.
-    if type_name == "string":
-        return isinstance(value, str)
-    if type_name == "integer":
-        return isinstance(value, int) and not isinstance(value, bool)
-    if type_name == "number":
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if type_name == "boolean":
-        return isinstance(value, bool)
-    if type_name == "array":
-        return isinstance(value, list)
-    if type_name == "object":
-        return isinstance(value, dict)
-    if type_name == "null":
-        return value is None
-    return True  # a type this checker does not know is not held against the model
-
-
-def _value_error(value: Any, schema: Any, name: str) -> str | None:
-    """Why ``value`` does not match ``schema`` (type, enum, array items, nested object), or None."""
-    if not isinstance(schema, dict):
-        return None
-    types = schema.get("type")
-    if types is not None:
-        names = [types] if isinstance(types, str) else [t for t in types if isinstance(t, str)]
-        if names and not any(_has_type(value, t) for t in names):
-            return f"argument '{name}' must be " + " or ".join(_TYPE_NAMES.get(t, t) for t in names)
-    enum = schema.get("enum")
-    # Compared as JSON values: true is not 1 and 1 is not "1".
-    if isinstance(enum, list) and not any(
-            value == v and isinstance(value, bool) == isinstance(v, bool) for v in enum):
-        return f"argument '{name}' must be one of " + ", ".join(json.dumps(v) for v in enum)
-    if isinstance(value, list):
-        for i, item in enumerate(value):
-            error = _value_error(item, schema.get("items"), f"{name}[{i}]")
-            if error:
-                return error
-    if isinstance(value, dict) and isinstance(schema.get("properties"), dict):
-        return _object_error(value, schema, prefix=f"{name}.")
-    return None
-
-
-def _object_error(arguments: dict, schema: dict, prefix: str = "") -> str | None:
-    """Why ``arguments`` do not match an object schema: unknown, missing or ill-typed keys."""
-    properties = schema.get("properties")
-    properties = properties if isinstance(properties, dict) else {}
-    if schema.get("additionalProperties") is not True:
-        for key in arguments:
-            if key not in properties:
-                return f"unknown argument '{prefix}{_short(key)}'"
-    required = schema.get("required")
-    for key in required if isinstance(required, list) else []:
-        if key not in arguments:
-            return f"missing argument '{prefix}{key}'"
-    for key, value in arguments.items():
-        error = _value_error(value, properties.get(key), f"{prefix}{key}")
-        if error:
-            return error
-    return None
-
-
-def parse_action(text: str, tools: list[dict]) -> Action:
-    """Read one assistant message as a tool call, the final answer, or a malformed action.
-
-    A tool call is exactly one ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (text
-    before it is allowed, text after it is not) whose name is one of ``tools`` and whose arguments
-    satisfy that tool's JSON schema. A message without a tool call is the final answer when it
-    contains "Task Completed". Everything else is :class:`Malformed` with a short, specific error
-    meant to be shown to the model. Never raises.
-    """
-    if TOOL_CALL_START not in text:
-        if FINAL_MARKER in text:
-            return FinalAnswer(text)
-        return Malformed(text, f"no tool call and no '{FINAL_MARKER}'")
-    after_start = text.split(TOOL_CALL_START, 1)[1]
-    if TOOL_CALL_START in after_start:
-        return Malformed(text, "more than one tool call; write exactly one")
-    if TOOL_CALL_END not in after_start:
-        return Malformed(text, f"missing {TOOL_CALL_END} closing tag")
-    body, rest = after_start.split(TOOL_CALL_END, 1)
-    if rest.strip():
-        return Malformed(text, f"text after {TOOL_CALL_END}")
-    try:
-        call = json.loads(body)
-    except (ValueError, RecursionError):  # RecursionError: absurdly nested brackets
-        return Malformed(text, "invalid JSON in tool call")
-    if not isinstance(call, dict):
-        return Malformed(text, "tool call must be a JSON object with 'name' and 'arguments'")
-    name = call.get("name")
-    if not isinstance(name, str):
-        return Malformed(text, "tool call needs a string 'name'")
-    schemas = {_function(t).get("name"): _function(t).get("parameters") or {} for t in tools}
-    if name not in schemas:
-        return Malformed(text, f"unknown tool '{_short(name)}'")
-    if "arguments" not in call:
-        return Malformed(text, "tool call needs an 'arguments' object")
-    arguments = call["arguments"]
-    if not isinstance(arguments, dict):
-        return Malformed(text, "'arguments' must be a JSON object")
-    error = _object_error(arguments, schemas[name])
-    if error:
-        return Malformed(text, error)
-    return ToolCall(name, arguments)
-
 
 # ----------------------------------------------------------------------------------------------
 # The rollout record
-
-
-def _action_kind(action: Action) -> str:
-    if isinstance(action, ToolCall):
-        return "tool_call"
-    return "answer" if isinstance(action, FinalAnswer) else "malformed"
-
-
-# What a chat message must not carry to the template: control characters other than newline and
-# tab (NUL among them), and lone surrogates.
-_UNSAFE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
-
-
-def chat_safe(text: str | None) -> str | None:
-    """``text`` with every control character but newline and tab, and every lone surrogate,
-    written as its JSON escape (NUL as ``\\u0000``, a lone high surrogate as ``\\ud800``);
-    anything else unchanged, None as None.
-
-    Tool results and error messages quote the model's *parsed* JSON, which holds what decoded model
-    text never does: ``json.loads('"\\ud800"')`` is a lone surrogate, which no tokenizer can
-    encode, so echoing it crashed the rollout. Escaping control characters too means no text that
-    reaches the model from an environment holds a NUL, so none can contain the loop's NUL-delimited
-    :data:`_CONTENT_PLACEHOLDER`. JSON's escape is what the model wrote to get the character, and
-    the mapping is deterministic, so replays and batches see the same text."""
-    if text is None or not _UNSAFE.search(text):
-        return text
-    return _UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
-
-
-def _step(episode: Episode, action: Action) -> StepResult:
-    """``episode.step(action)`` with its observation made :func:`chat_safe`: every environment's
-    text reaches the chat (and the rollout record) through here, whatever the environment quotes."""
-    result = episode.step(action)
-    return replace(result, observation=chat_safe(result.observation))
-
-
-def turn_record(text: str, action: Action, result: StepResult, code: bool = False) -> dict:
-    """One entry of :attr:`Rollout.turns`: the assistant's text, what it parsed to, the answer.
-    ``code``: the episode takes every message as a program (:attr:`Episode.code_answers`), so the
-    turn is a ``"code"`` answer whatever the tool-call parser made of it."""
-    return {"action": text, "kind": "code" if code else _action_kind(action),
-            "call": {"name": action.name, "arguments": action.arguments}
-            if isinstance(action, ToolCall) else None,
-            "observation": result.observation}
-
-
-def compact_trace(instruction: str, turns: list[dict], max_observation_chars: int = 80) -> str:
-    """The compact trace of an episode's ``turns`` (see :meth:`Rollout.compact_trace`).
-
-    A ``"code"`` turn (a code environment's answer) is the decision itself, like a tool call's
-    arguments: it is kept whole and verbatim on the lines after ``answer:`` (cut or re-spaced,
-    code means nothing), and its feedback, if any, follows on a line of its own."""
-    lines = [f"Task: {instruction}"]
-    for n, turn in enumerate(turns, 1):
-        arrow = " -> "
-        if turn["kind"] == "tool_call":
-            call = turn["call"]
-            action = f"{call['name']}({json.dumps(call['arguments'])})"
-        elif turn["kind"] == "code":
-            action = "answer:\n" + turn["action"].strip("\n")
-            arrow = "\n-> "
-        elif turn["kind"] == "answer":
-            action = "answer: " + _short(turn["action"], max_observation_chars)
-        else:
-            action = "malformed: " + _short(turn["action"], max_observation_chars)
-        if turn["observation"] is not None:
-            action += arrow + _short(turn["observation"], max_observation_chars)
-        lines.append(f"{n}. {action}")
-    return "\n".join(lines)
-
-
-def replay_turns(env: Environment, task: Task, texts: list[str]) -> list[dict]:
-    """The turns the agent loop records when the assistant writes ``texts`` in order on a fresh
-    episode of ``task`` (parsed and answered exactly as in :func:`run_episodes`), until the
-    episode ends or the texts run out. No tokenizer: only the chat-level record."""
-    episode = env.reset(task)
-    turns = []
-    for text in texts:
-        action = parse_action(text, episode.tools)
-        result = _step(episode, action)
-        turns.append(turn_record(text, action, result, episode.code_answers))
-        if result.done or (isinstance(action, FinalAnswer) and result.observation is None):
-            break
-    return turns
 
 
 @dataclass
@@ -288,7 +98,7 @@ class Rollout:
     """Per assistant turn: ``{"action": text, "kind": "tool_call" | "answer" | "malformed" | "code",
     "call": {"name", "arguments"} or None, "observation": tool text or None}``. The observation is
     the environment's own text (as :func:`replay_turns` records it, without a tokenizer); its
-    message holds it with special-token text quoted (:func:`lopd.models.quote_special_tokens`)."""
+    message holds it with special-token text quoted (:func:`lopd.chat.quote_special_tokens`)."""
     finish_reason: str
     """One of :data:`FINISH_REASONS`."""
 
@@ -313,153 +123,6 @@ class Rollout:
         data["checks"] = [(str(name), bool(passed)) for name, passed in data["checks"]]
         return cls(**data)
 
-
-# ----------------------------------------------------------------------------------------------
-# Policies
-
-
-@dataclass(frozen=True)
-class TurnContext:
-    """What a policy sees when it is asked for one assistant turn."""
-
-    task: Task
-    turn: int
-    """0-based index of this assistant turn in the episode."""
-    prompt_ids: list[int]
-    """The conversation so far, ending with the generation prompt."""
-    session: int | None = None
-    """The episode's identity, the same at every turn (an engine keeps its KV cache by it)."""
-
-
-class Policy(ABC):
-    """Produces the next assistant turn for a batch of episodes."""
-
-    max_length: int | None = None
-    """Longest sequence the policy can read (the model's context); None when unbounded."""
-
-    @abstractmethod
-    def act(self, contexts: list[TurnContext], max_new_tokens: int, tokenizer) -> list[Generation]:
-        """One generation per context, in order. Generated ids end with the end-of-turn token
-        (:func:`lopd.models.turn_end_token`) when the turn was closed."""
-
-    def release(self) -> None:
-        """The episodes are over: drop what was kept for them between turns (KV caches)."""
-
-
-class ModelPolicy(Policy):
-    """The model acting through a rollout engine: one ``engine.generate`` call per turn and batch.
-
-    ``params.max_new_tokens`` is replaced by the loop's per-turn limit. With ``params.seed`` set,
-    each call gets the next seed of a stream drawn from it, so turns do not reuse the same random
-    numbers while a whole run stays reproducible.
-    """
-
-    def __init__(self, engine: RolloutEngine, tokenizer, params: SamplingParams):
-        turn_end = turn_end_token(tokenizer)
-        turn_end_id = tokenizer.convert_tokens_to_ids(turn_end)
-        if turn_end_id not in engine.stop_token_ids:
-            raise ValueError(f"the engine must stop at {turn_end} (id {turn_end_id}) to end "
-                             f"assistant turns; its stop ids are {sorted(engine.stop_token_ids)} "
-                             "(`lopd model prepare` adds it to the model's generation eos ids)")
-        self.engine = engine
-        self.params = params
-        self.max_length = engine.max_length
-        self._seeds = random.Random(params.seed) if params.seed is not None else None
-
-    def act(self, contexts: list[TurnContext], max_new_tokens: int, tokenizer) -> list[Generation]:
-        seed = self._seeds.getrandbits(63) if self._seeds is not None else None
-        params = replace(self.params, max_new_tokens=max_new_tokens, seed=seed)
-        return self.engine.generate([c.prompt_ids for c in contexts], params,
-                                    sessions=[c.session for c in contexts])
-
-    def release(self) -> None:
-        self.engine.release()
-
-
-class ScriptedPolicy(Policy):
-    """A policy that writes text by rule, for harness checks (gold replays, junk baselines).
-
-    Its token ids are ``tokenizer(text)`` plus the end-of-turn token with log-prob 0, so its
-    rollouts have the same shape as the model's. Scripted text is not cut to ``max_new_tokens``.
-    """
-
-    @abstractmethod
-    def text(self, context: TurnContext) -> str:
-        """The assistant message for this turn."""
-
-    def act(self, contexts: list[TurnContext], max_new_tokens: int, tokenizer) -> list[Generation]:
-        turn_end = tokenizer.convert_tokens_to_ids(turn_end_token(tokenizer))
-        generations = []
-        for context in contexts:
-            ids = tokenizer(self.text(context), add_special_tokens=False)["input_ids"] + [turn_end]
-            generations.append(Generation(token_ids=ids, logprobs=[0.0] * len(ids), finished=True))
-        return generations
-
-
-class OraclePolicy(ScriptedPolicy):
-    """Replays the task's oracle solution turn by turn (must score 1.0 on a correct harness)."""
-
-    def text(self, context: TurnContext) -> str:
-        texts = context.task.oracle_texts()
-        return texts[min(context.turn, len(texts) - 1)]
-
-
-class FixedTextPolicy(ScriptedPolicy):
-    """Writes the same text every turn (e.g. "Task Completed" to score the untouched state)."""
-
-    def __init__(self, text: str):
-        self.fixed_text = text
-
-    def text(self, context: TurnContext) -> str:
-        return self.fixed_text
-
-
-class RandomPolicy(ScriptedPolicy):
-    """Calls a random tool with random, schema-valid arguments; answers with small probability.
-
-    The choice depends only on (seed, task, turn), so batching never changes what it does.
-    """
-
-    def __init__(self, seed: int = 0, answer_probability: float = 0.1):
-        if not 0 <= answer_probability <= 1:
-            raise ValueError(f"answer_probability must be in [0, 1], got {answer_probability}")
-        self.seed = seed
-        self.answer_probability = answer_probability
-
-    def text(self, context: TurnContext) -> str:
-        rng = random.Random(f"{self.seed}/{context.task.task_id}/{context.turn}")
-        if not context.task.tools or rng.random() < self.answer_probability:
-            return FINAL_MARKER
-        function = _function(rng.choice(context.task.tools))
-        arguments = _random_object(function.get("parameters") or {}, rng)
-        return ToolCall(function["name"], arguments).to_text()
-
-
-def _random_object(schema: dict, rng: random.Random) -> dict:
-    properties = schema.get("properties") or {}
-    required = set(schema.get("required") or [])
-    return {key: _random_value(sub, rng) for key, sub in properties.items()
-            if key in required or rng.random() < 0.5}
-
-
-def _random_value(schema: dict, rng: random.Random) -> Any:
-    if schema.get("enum"):
-        return rng.choice(schema["enum"])
-    kind = schema.get("type", "string")
-    kind = kind if isinstance(kind, str) else rng.choice(kind)
-    if kind == "integer":
-        return rng.randint(schema.get("minimum", 0), schema.get("maximum", 20))
-    if kind == "number":
-        return round(rng.uniform(schema.get("minimum", 0), schema.get("maximum", 100)), 2)
-    if kind == "boolean":
-        return rng.random() < 0.5
-    if kind == "array":
-        return [_random_value(schema.get("items") or {}, rng) for _ in range(rng.randint(0, 2))]
-    if kind == "object":
-        return _random_object(schema, rng)
-    if kind == "null":
-        return None
-    return "".join(rng.choices(string.ascii_uppercase + string.digits, k=rng.randint(1, 6)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -622,7 +285,7 @@ class _EpisodeRun:
         self.messages.append({"role": "assistant", "content": content})
 
         action = parse_action(text, self.episode.tools)
-        result = _step(self.episode, action)
+        result = safe_step(self.episode, action)
         self.turns.append(turn_record(text, action, result, self.episode.code_answers))
 
         if result.done:

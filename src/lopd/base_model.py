@@ -29,10 +29,13 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from lopd import models, runtime
-from lopd.agent import OraclePolicy, Rollout, rollout_episodes
+from lopd import chat, models, runtime, stages
+from lopd.agent import Rollout, rollout_episodes
 from lopd.config import Config
 from lopd.envs import get_env
+from lopd.envs.toolworld import coded_request, request_parts
+from lopd.latent import ReferenceFormat, insert_reference, shift_after
+from lopd.policies import OraclePolicy
 from lopd.teacher import ScoringBatch, action_logits
 
 
@@ -46,7 +49,7 @@ def tokenizer_corpus(env, tasks, max_texts: int = 5000) -> list[str]:
     """Rendered oracle conversations for tokenizer training (a tokenizer-free path: no ids yet)."""
     texts = []
     for conversation, task in zip(env.transcripts(tasks[:max_texts]), tasks[:max_texts]):
-        texts.append(models.render_chat(conversation, tools=task.tools))
+        texts.append(chat.render_chat(conversation, tools=task.tools))
     return texts
 
 
@@ -81,10 +84,8 @@ def lr_at(step: int, cfg) -> float:
 
 def greedy_success(model, tokenizer, env, tasks, cfg: Config, device) -> dict:
     """Greedy episodes of ``model`` on ``tasks``: the held-out evaluation's summary."""
-    from lopd import pipeline
-
     model.eval()
-    summary, _ = pipeline.evaluate(cfg, env, tasks, pipeline.model_policy(cfg, model, tokenizer, 0.0),
+    summary, _ = stages.evaluate(cfg, env, tasks, stages.model_policy(cfg, model, tokenizer, 0.0),
                                    tokenizer, progress=False)
     model.train()
     return summary
@@ -150,12 +151,8 @@ def with_references(rollouts: list[Rollout], tasks, tokenizer, fraction: float, 
     thrown off by it, the way instruction-tuned LLMs read in-context examples; its action targets
     are unchanged (the block is never a target).
     """
-    from lopd.latent import ReferenceFormat, insert_reference, shift_after
-
     fmt = ReferenceFormat.for_tokenizer(tokenizer)
     rng = random.Random(seed)
-
-    from lopd.envs.toolworld import coded_request, request_parts
 
     def trace_for(j: int, code: str | None) -> str:
         # A peer's trace in the form of the request it is a reference for: a coded request (see

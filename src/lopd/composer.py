@@ -25,12 +25,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from lopd.agent import ModelPolicy, TurnContext
+from lopd.chat import quote_special_tokens
 from lopd.config import ComposerConfig, from_dict
 from lopd.latent import ReferenceFormat, insert_reference
-from lopd.models import lora_model, quote_special_tokens
+from lopd.models import lora_model
+from lopd.policies import ModelPolicy, TurnContext
 from lopd.rollout import Generation
 from lopd.runtime import length_groups
+
 
 class SharedBlock(nn.Module):
     """Pre-LN block: queries attend to [encoder states; queries], then a position-wise FFN."""

@@ -8,12 +8,25 @@ range — fails at start-up with a :class:`ConfigError` that names the key and w
 Field names follow TRL where the concept is the same (``learning_rate``, ``max_grad_norm``,
 ``num_generations``, ``temperature``, ``max_completion_length``, ``beta``, ``epsilon``,
 ``epsilon_high``, ``seed``) so people coming from there find their way.
+
+Besides the core sections (``run``, ``model``, ``train``, ...) a config has one section per
+training method, and the registry of those methods lives here, in :func:`register_method`: this
+module is the bottom layer of lopd and imports nothing else of it, so the methods register into it
+(:func:`lopd.algorithms.register` does so for every Algorithm class) rather than config asking
+:mod:`lopd.algorithms`. The methods shipped with lopd (:data:`BUILTIN_METHODS`) and those of the
+``lopd.algorithms`` entry-point group are imported by module name, on first use.
+
+One piece, though longer than the package's other modules: every core section and its knobs are
+declared here, so ``lopd config`` and a reader find every setting, its help and its range in one
+file; loading, overrides and the method registry are the few functions around them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
+import importlib.metadata
 import math
 import types
 import typing
@@ -371,9 +384,7 @@ class Config:
 
 
 def _method_sections() -> dict[str, type]:
-    from lopd.algorithms import config_sections
-
-    return config_sections()
+    return method_sections()
 
 
 def _method_defaults() -> dict[str, Any]:
@@ -382,6 +393,84 @@ def _method_defaults() -> dict[str, Any]:
 
 def core_sections() -> list[str]:
     return [f.name for f in dataclasses.fields(Config) if f.name != "methods"]
+
+
+# ----------------------------------------------------------------------------------------------
+# The registry of training methods and their config sections. Config owns it because it is the
+# bottom layer: the methods (lopd.algorithms and plugins) import this module and register into it.
+
+BUILTIN_METHODS = ("lopd.algorithms.lopd", "lopd.algorithms.grpo", "lopd.algorithms.sdft",
+                   "lopd.algorithms.opsd", "lopd.algorithms.sdpo", "lopd.algorithms.skill_sd")
+"""Modules of the methods shipped with lopd; each registers its class (and so its config section)
+on import."""
+
+ENTRY_POINT_GROUP = "lopd.algorithms"
+"""Installed packages add methods through this entry-point group (``name = "module"``)."""
+
+_METHODS: dict[str, type | None] = {}
+_methods_loaded = False
+
+
+def check_method_name(name: str, owner: str = "method") -> None:
+    """Refuse a method name that is not a lower-case identifier or that a core section or 'base'
+    already takes; ``owner`` starts the first message (e.g. ``algorithm GRPO``)."""
+    if not name or not name.replace("_", "").isalnum() or name != name.lower():
+        raise ConfigError(f"{owner}: name must be a lower-case identifier, got {name!r}")
+    if name in core_sections() or name == "base":
+        raise ConfigError(f"algorithm name {name!r} is taken by a config section or 'base'")
+
+
+def register_method(name: str, config_class: type | None) -> None:
+    """Make method ``name`` known to config: a valid ``train.algorithm`` value and, when
+    ``config_class`` (a dataclass) is given, the config section ``cfg.<name>``. Registering the
+    same name again with a class of the same qualified name (a re-import) replaces it; another
+    class under a taken name is refused, naming both."""
+    check_method_name(name)
+    if name in _METHODS:
+        existing = _METHODS[name]
+        if _qualname(existing) != _qualname(config_class):
+            raise ConfigError(f"two config sections for method {name!r}: {_full_name(existing)} "
+                              f"and {_full_name(config_class)}")
+    _METHODS[name] = config_class
+
+
+def unregister_method(name: str) -> None:
+    """Forget method ``name`` (tests that register throw-away methods clean up with it)."""
+    _METHODS.pop(name, None)
+
+
+def _qualname(cls: type | None) -> str | None:
+    return None if cls is None else cls.__qualname__
+
+
+def _full_name(cls: type | None) -> str:
+    return "no config section" if cls is None else f"{cls.__module__}.{cls.__qualname__}"
+
+
+def load_methods() -> None:
+    """Import the methods shipped with lopd and those of the entry-point group, once; each
+    registers itself on import. This is plugin loading by module name (importlib), not a static
+    import: config stays the bottom layer and depends on no method module."""
+    global _methods_loaded
+    if _methods_loaded:
+        return
+    _methods_loaded = True
+    for module in BUILTIN_METHODS:
+        importlib.import_module(module)
+    for point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        importlib.import_module(point.value.split(":")[0])
+
+
+def method_names() -> list[str]:
+    """Every registered method, sorted: the allowed values of ``train.algorithm``."""
+    load_methods()
+    return sorted(_METHODS)
+
+
+def method_sections() -> dict[str, type]:
+    """name -> config dataclass of every registered method that declares one, sorted by name."""
+    load_methods()
+    return {name: cls for name, cls in sorted(_METHODS.items()) if cls is not None}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -507,8 +596,6 @@ def from_dict(cls: type, data: typing.Mapping[str, Any] | None, prefix: str = ""
 
 def _config_from_dict(data: typing.Mapping[str, Any]) -> Config:
     """The top level: the core sections, then one section per registered algorithm."""
-    from lopd.algorithms import algorithm_names
-
     sections = _method_sections()
     _check_keys(data, [*core_sections(), *sections], "", "the top level")
     hints = typing.get_type_hints(Config)
@@ -517,7 +604,7 @@ def _config_from_dict(data: typing.Mapping[str, Any]) -> Config:
     kwargs["methods"] = {name: from_dict(cls, data.get(name), f"{name}.")
                          for name, cls in sections.items()}
     cfg = Config(**kwargs)
-    names = algorithm_names()
+    names = method_names()
     if cfg.train.algorithm not in names:
         raise ConfigError(f"train.algorithm: got {cfg.train.algorithm!r}; allowed values: "
                           + ", ".join(repr(n) for n in names))

@@ -12,7 +12,7 @@ import json
 import random
 from pathlib import Path
 
-from lopd.models import TOOL_CALL_END, TOOL_CALL_START, render_chat
+from lopd.chat import TOOL_CALL_END, TOOL_CALL_START, render_chat
 
 _OBJECTS = ["order", "item", "policy", "claim", "shipment", "package", "patient", "appointment"]
 _VERBS = ["get", "list", "update", "cancel", "create", "find", "check", "refund"]

@@ -35,7 +35,9 @@ from pathlib import Path
 
 import torch
 
+from lopd.models import _token_row_tensors
 from lopd.runtime import launched
+from lopd.teacher import ActionScorer
 
 PARALLEL = ("ddp", "fsdp2")
 
@@ -216,8 +218,6 @@ class Wrapped:
 def wrap_student(model, world: World) -> Wrapped:
     """One wrapped scoring module over ``model`` for the whole run (the optimiser must be built
     on ``model.parameters()`` after this: FSDP2 replaces them by sharded ones)."""
-    from lopd.teacher import ActionScorer
-
     scorer = ActionScorer(model)
     if world.parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -264,7 +264,6 @@ def row_masks(model, token_ids) -> list[tuple[torch.Tensor, torch.Tensor]]:
     zeroed in the synchronised gradient instead (:func:`apply_row_masks`)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from lopd.models import _token_row_tensors
 
     out = []
     for p in _token_row_tensors(model):
@@ -324,8 +323,10 @@ def load_optimizer(scorer, optimizer, folder: Path) -> None:
     """Load what :func:`save_optimizer` wrote into ``optimizer`` (over ``scorer``'s parameters),
     resharded to this world size when it differs."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
 
     state = {"optimizer": get_optimizer_state_dict(scorer, optimizer)}
     dcp.load(state, checkpoint_id=str(folder))

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lopd.models import LATENT_TOKEN, PROBE_TOOLS, quote_special_tokens, render
+from lopd.chat import LATENT_TOKEN, PROBE_TOOLS, quote_special_tokens, render
 
 REFERENCE_PREFIX = "Reference from a similar task (context, not an instruction):\n"
 REFERENCE_SUFFIX = "\n\n"

@@ -17,23 +17,30 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import re
 import warnings
-import weakref
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config
-from transformers import Qwen3ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
-PAD_TOKEN = "<|endoftext|>"
-IM_START = "<|im_start|>"
-IM_END = "<|im_end|>"
-LATENT_TOKEN = "<|latent|>"
-TOOL_CALL_START = "<tool_call>"
-TOOL_CALL_END = "</tool_call>"
-SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END, LATENT_TOKEN, TOOL_CALL_START, TOOL_CALL_END)
+from lopd.chat import (
+    CHAT_TEMPLATE,
+    IM_END,
+    IM_START,
+    LATENT_TOKEN,
+    PAD_TOKEN,
+    SPECIAL_TOKENS,
+    TOOL_CALL_END,
+    TOOL_CALL_START,
+    turn_end_token,
+)
 
 # Where `lopd base` ships the embedded default model inside the package.
 ASSETS = Path(__file__).parent / "assets"
@@ -42,34 +49,6 @@ EMBEDDED_DIR = EMBEDDED["toolworld-1m"]
 """Models shipped in the package: the toolworld base of the default (coded) setting, the first-stage
 toolworld base it was trained from (plain requests only), and the codeworld base (each with a
 tokenizer trained on its own domain; docs/results/base-models.md)."""
-
-# ChatML, as Qwen uses it, with one change that matters for a 1M-parameter model: tools are listed
-# as one short signature line each instead of their full JSON schema, which keeps prompts short.
-# Real checkpoints keep their own template; this one is only installed on tokenizers we build.
-CHAT_TEMPLATE = (
-    "{%- set ns = namespace(system_done=false) -%}"
-    "{%- for message in messages -%}"
-    "{%- if loop.first and (message.role == 'system' or tools) -%}"
-    "{{ '<|im_start|>system\\n' }}"
-    "{%- if message.role == 'system' -%}{{ message.content }}{%- endif -%}"
-    "{%- if tools -%}"
-    "{%- if message.role == 'system' -%}{{ '\\n' }}{%- endif -%}"
-    "{{ 'Tools:' }}"
-    "{%- for tool in tools -%}"
-    "{%- set fn = tool.function if tool.function is defined else tool -%}"
-    "{{ '\\n- ' + fn.name + '(' + (fn.parameters.properties.keys() | join(', ')) + ')' }}"
-    "{%- if fn.description -%}{{ ': ' + fn.description }}{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- endif -%}"
-    "{{ '<|im_end|>\\n' }}"
-    "{%- set ns.system_done = message.role == 'system' -%}"
-    "{%- endif -%}"
-    "{%- if not (loop.first and ns.system_done) -%}"
-    "{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,156 +243,8 @@ def count_parameters(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def model_info(path: str | Path, trust_remote_code: bool = False) -> dict:
-    """Facts about a saved model folder, as printed by ``lopd model info``: shape, vocabulary,
-    whether ``<|latent|>`` is there, and the verdict of :func:`lopd.agent.check_chat_template`."""
-    from lopd.agent import check_chat_template
-
-    model, tokenizer = load_model(path, trust_remote_code=trust_remote_code)
-    cfg = model.config
-    checks = check_chat_template(tokenizer)
-    failed = [c["check"] for c in checks if c["required"] and not c["ok"]]
-    try:
-        turn_end = turn_end_token(tokenizer)
-    except ValueError:
-        turn_end = None
-    eos = model.generation_config.eos_token_id
-    stops = {tokenizer.eos_token_id, *([eos] if isinstance(eos, int) else eos or [])}
-    return {
-        "path": resolve_model_path(path),
-        "architecture": (cfg.architectures or [type(model).__name__])[0],
-        "parameters": count_parameters(model),
-        "hidden_size": cfg.hidden_size,
-        "num_hidden_layers": cfg.num_hidden_layers,
-        "num_attention_heads": cfg.num_attention_heads,
-        "vocab_size": len(tokenizer),
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        "special_tokens": list(tokenizer.all_special_tokens),
-        "latent_token": LATENT_TOKEN if LATENT_TOKEN in tokenizer.get_vocab() else None,
-        "chat_template": tokenizer.chat_template is not None,
-        "turn_end_token": turn_end,
-        "stops_at_turn_end": (turn_end is not None
-                              and tokenizer.convert_tokens_to_ids(turn_end) in stops),
-        "chat_template_checks": "failed: " + "; ".join(failed) if failed else "pass",
-        "checks": checks,
-    }
-
-
-def render_chat(messages: list[dict], tools: list[dict] | None = None,
-                add_generation_prompt: bool = False) -> str:
-    """Render a conversation with the project's chat template without needing a tokenizer.
-
-    Used to build the tokenizer's own training corpus, before any tokenizer exists; gives the same
-    text as ``tokenizer.apply_chat_template(..., tokenize=False)`` on a tokenizer we built.
-    """
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    return env.from_string(CHAT_TEMPLATE).render(
-        messages=messages, tools=tools, add_generation_prompt=add_generation_prompt)
-
-
 # ----------------------------------------------------------------------------------------------
 # Any tokenizer's chat template, and the latent token on any model
-
-PROBE_TOOLS = [{"type": "function", "function": {
-    "name": "get_order", "description": "Look up an order.",
-    "parameters": {"type": "object", "properties": {"order_id": {"type": "string"}},
-                   "required": ["order_id"]}}}]
-"""A one-tool schema for probing how a chat template renders tools (header derivation, checks)."""
-
-_PROBE_REPLY = "Order O1 is shipped."
-
-
-def render(tokenizer, messages: list[dict], tools: list[dict] | None = None,
-           add_generation_prompt: bool = False, tokenize: bool = True):
-    """A conversation through the tokenizer's chat template: token ids, or the text with
-    ``tokenize=False``. The ids are what the agent loop puts in a rollout (the template's text
-    tokenised in one piece, no extra special tokens), so every template token lopd looks for in a
-    rollout is derived through here. A template that cannot render the conversation is a
-    one-line ``ValueError``."""
-    from jinja2 import TemplateError
-
-    if tokenizer.chat_template is None:
-        raise ValueError("the tokenizer has no chat template")
-    try:
-        out = tokenizer.apply_chat_template(messages, tools=tools or None,
-                                            add_generation_prompt=add_generation_prompt,
-                                            tokenize=tokenize, return_dict=tokenize)
-    except TemplateError as exc:
-        roles = "/".join(m["role"] for m in messages)
-        raise ValueError(f"the chat template cannot render a {roles} conversation: {exc}") from None
-    return list(out["input_ids"]) if tokenize else out
-
-
-def turn_end_token(tokenizer) -> str:
-    """The special token that closes an assistant turn in the tokenizer's chat template:
-    ``<|im_end|>`` in ChatML (Qwen), ``<|eot_id|>`` in Llama 3, the eos in Tulu/OLMo. The agent
-    loop ends every turn with it and the engine must stop on it."""
-    text = render(tokenizer, [{"role": "user", "content": "Where is order O1?"},
-                              {"role": "assistant", "content": _PROBE_REPLY}], tokenize=False)
-    at = text.rfind(_PROBE_REPLY)
-    if at < 0:
-        raise ValueError("the chat template does not render an assistant message's content "
-                         "verbatim")
-    rest = text[at + len(_PROBE_REPLY):]
-    added = sorted((t.content for t in tokenizer.added_tokens_decoder.values()), key=len,
-                   reverse=True)
-    for token in added:
-        if token and rest.startswith(token):
-            return token
-    raise ValueError(f"the chat template does not close assistant turns with a special token "
-                     f"(it renders {rest[:24]!r} after the content)")
-
-
-WORD_JOINER = "\u2060"
-"""What :func:`quote_special_tokens` puts inside a token's text: invisible, and no tokenizer's
-token text holds it."""
-
-_MARKERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _marker_pattern(tokenizer) -> re.Pattern | None:
-    """One regex for the text of every added and special token of ``tokenizer``, longest first;
-    kept per tokenizer object and built again when its vocabulary grows (``lopd model prepare``
-    adds ``<|latent|>`` to a tokenizer that may have quoted text before)."""
-    size = len(tokenizer)
-    kept = _MARKERS.get(tokenizer)
-    if kept is None or kept[0] != size:
-        # A one-character token cannot be split, and all-whitespace ones (the runs of spaces some
-        # tokenizers add) are ordinary text: tokenized as those tokens, they forge nothing.
-        markers = sorted((m for m in {*tokenizer.get_added_vocab(), *tokenizer.all_special_tokens}
-                          if len(m) > 1 and not m.isspace() and WORD_JOINER not in m),
-                         key=len, reverse=True)
-        pattern = re.compile("|".join(map(re.escape, markers))) if markers else None
-        kept = _MARKERS[tokenizer] = (size, pattern)
-    return kept[1]
-
-
-def _split_marker(match: re.Match) -> str:
-    return match.group()[0] + WORD_JOINER + match.group()[1:]
-
-
-def quote_special_tokens(text: str, tokenizer) -> str:
-    """``text`` with the text of every added or special token of ``tokenizer`` (``<|im_start|>``,
-    ``<|eot_id|>``, ``<tool_call>``, ``<|latent|>``, ...) broken by a :data:`WORD_JOINER` after
-    its first character, so that it tokenizes as plain text; ``text`` itself when it holds none.
-
-    The chat template renders a message's content verbatim and the result is tokenized as one
-    string, so such text in content would become the token itself. Content that comes from an
-    environment can carry a model's own output (a tool echoing an argument, a code environment's
-    test feedback): unquoted, it could open chat turns or latent slots in the context. Longest
-    texts are matched first, and quoting repeats until none is left: one token's text can overlap
-    another's, and breaking one occurrence may leave the other whole."""
-    pattern = _marker_pattern(tokenizer)
-    if pattern is None:
-        return text
-    while True:
-        quoted, n = pattern.subn(_split_marker, text)
-        if not n:
-            return text
-        text = quoted
 
 
 def add_latent_token(model, tokenizer) -> bool:

@@ -23,8 +23,14 @@ from pathlib import Path
 
 import torch
 
-from lopd.latent import (ReferenceFormat, TextPlacement, insert_reference, shift_after,
-                         splice_embeddings)
+from lopd.composer import Composer
+from lopd.latent import (
+    ReferenceFormat,
+    TextPlacement,
+    insert_reference,
+    shift_after,
+    splice_embeddings,
+)
 
 
 @dataclass
@@ -324,8 +330,6 @@ class TextContext(TeacherView):
 
     @torch.no_grad()
     def score(self, rollouts, context) -> tuple[ActionLogits, dict]:
-        from lopd.composer import Composer  # the composer module does not import this one
-
         batch = self.batch(rollouts, context)
         if isinstance(self.teacher, Composer):
             with self.teacher.teacher() as base:

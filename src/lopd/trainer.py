@@ -9,6 +9,11 @@ generations used, checkpoints and resume.
 Resume is exact by construction: the tasks of step s and the sampler's seed are pure functions of
 (run.seed, s), so a run resumed from the checkpoint of step c repeats steps c+1, c+2, ... exactly as
 an uninterrupted run would (up to floating-point non-determinism of the hardware).
+
+One piece, though longer than the package's other modules: it is the loop, read top to bottom by
+whoever wants to know what a step does, and its parts (the step's tasks, rollouts, the update, the
+evaluation, the checkpoint) share the run's state; the stages it calls (engines, policies,
+held-out evaluation) are in :mod:`lopd.stages`, the methods in :mod:`lopd.algorithms`.
 """
 
 from __future__ import annotations
@@ -28,10 +33,11 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from lopd import distributed, models, pipeline, runtime
+from lopd import chat, distributed, models, runtime, stages
 from lopd.agent import Rollout
+from lopd.algorithms import get_algorithm
 from lopd.algorithms.base import Panel, StepBatch, Updater
-from lopd.config import Config, ConfigError
+from lopd.config import Config, ConfigError, load_config
 from lopd.envs.environment import Task
 from lopd.rollout.engine import check_sampling
 
@@ -111,8 +117,6 @@ def write_config(cfg: Config, path: Path) -> None:
 
 
 def read_config(run_dir: Path, overrides: list[str] | None = None) -> Config:
-    from lopd.config import load_config
-
     path = run_dir / CONFIG_FILE
     if not path.is_file():
         raise RunError(f"{run_dir} is not a training run (no {CONFIG_FILE})")
@@ -317,14 +321,14 @@ class Trainer:
             raise RunError(f"{self.run_dir} already holds a run; resume it with --resume "
                            f"{self.run_dir} or choose a new --out")
         cfg = self.cfg
-        pipeline.check_engine(cfg.rollout)
+        stages.check_engine(cfg.rollout)
         check_sampling(cfg.rollout)
         self.world, device = distributed.init(runtime.resolve_device(cfg.run.device),
                                               cfg.train.parallel)
         world = self.world
         runtime.setup(cfg.run)
-        self.env = pipeline.get_env(cfg)
-        self.train_tasks, self.eval_tasks = pipeline.held_out_tasks(cfg, self.env)
+        self.env = stages.get_env(cfg)
+        self.train_tasks, self.eval_tasks = stages.held_out_tasks(cfg, self.env)
         train_tasks = self.train_tasks
         # Everything the config decides is refused before the run folder is touched.
         check_start(cfg, self.algorithm_cls, world, fresh=not self.resume)
@@ -360,7 +364,7 @@ class Trainer:
                                 self.precision, world, self.wrapped, validation)
         self.algorithm = self.algorithm_cls(self.ctx, checkpoint)
         self.setup_generations = self.algorithm.setup_rollouts()
-        self.engine = pipeline.make_engine(cfg.rollout, student, tokenizer, self.precision,
+        self.engine = stages.make_engine(cfg.rollout, student, tokenizer, self.precision,
                                            train=True)
         self.start_step, self.generations = 0, 0
         if checkpoint is not None:
@@ -380,7 +384,7 @@ class Trainer:
         model, tokenizer = models.load_model(source, device=self.device, dtype=torch.float32,
                                              trust_remote_code=cfg.model.trust_remote_code)
         # <|latent|> only ever appears in the teacher's prompt: the student loss never trains it.
-        latent_id = tokenizer.convert_tokens_to_ids(models.LATENT_TOKEN)
+        latent_id = tokenizer.convert_tokens_to_ids(chat.LATENT_TOKEN)
         self._frozen_rows = []
         if latent_id is not None and latent_id != tokenizer.unk_token_id:
             models.freeze_token_rows(model, [latent_id])
@@ -508,14 +512,14 @@ class Trainer:
     # -- rollouts and evaluation --------------------------------------------------------------
 
     def _policy(self, temperature: float, seed: int):
-        return pipeline.model_policy(self.cfg, self.ctx.student, self.ctx.tokenizer, temperature,
+        return stages.model_policy(self.cfg, self.ctx.student, self.ctx.tokenizer, temperature,
                                      seed, engine=self.engine)
 
     def rollouts(self, tasks: list[Task], temperature: float, seed: int | None) -> list[Rollout]:
         self.ctx.student.eval()
         with torch.no_grad(), distributed.generation(self.wrapped), \
                 runtime.autocast(self.precision, self.device):
-            return pipeline.run_episodes(self.cfg, self.env, tasks, self._policy(temperature, seed),
+            return stages.run_episodes(self.cfg, self.env, tasks, self._policy(temperature, seed),
                                          self.ctx.tokenizer, progress=False)
 
     def evaluate(self, step: int) -> dict[str, float]:
@@ -525,7 +529,7 @@ class Trainer:
         policy = self._policy(self.cfg.rollout.eval_temperature, step_seed(self.cfg.run.seed, -1))
         if not self.world.enabled:
             with runtime.autocast(self.precision, self.device):
-                summary, _ = pipeline.evaluate(self.cfg, self.env, self.eval_tasks, policy,
+                summary, _ = stages.evaluate(self.cfg, self.env, self.eval_tasks, policy,
                                                self.ctx.tokenizer, progress=False)
         else:
             # Each rank plays a contiguous share of the held-out tasks; the summary is of all.
@@ -533,7 +537,7 @@ class Trainer:
 
             with torch.no_grad(), distributed.generation(self.wrapped), \
                     runtime.autocast(self.precision, self.device):
-                mine = pipeline.run_episodes(self.cfg, self.env,
+                mine = stages.run_episodes(self.cfg, self.env,
                                              self.world.shard(self.eval_tasks, even=False), policy,
                                              self.ctx.tokenizer, progress=False)
             summary = summarize(self.world.gather(mine))
@@ -587,7 +591,7 @@ class Trainer:
             figures = self.algorithm.step(StepBatch(step, tasks, rollouts))
             # An engine that keeps its own copy of the weights (vLLM) samples the next step from
             # the updated student.
-            pipeline.sync_engine(self.engine, self.ctx.student)
+            stages.sync_engine(self.engine, self.ctx.student)
             self.generations += len(rollouts) * world.size
             shares = world.mean({"train/mean_reward": float(np.mean([r.reward for r in rollouts])),
                                  "train/success_rate": float(np.mean([r.success
@@ -669,8 +673,6 @@ def plot_run(run_dir: Path, extra: list[Panel], title: str = "") -> Path:
 def train(cfg: Config, run_dir: str | Path, algorithm: str, resume: bool = False,
           progress: bool = True) -> dict:
     """Run (or resume) training with the named algorithm; returns the last step's metrics."""
-    from lopd.algorithms import get_algorithm
-
     trainer = Trainer(cfg, Path(run_dir), get_algorithm(algorithm), resume=resume, progress=progress)
     try:
         return trainer.run()

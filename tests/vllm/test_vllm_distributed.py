@@ -2,8 +2,15 @@
 rolls out on an engine of its own (vLLM's external_launcher backend) and the two ranks take the
 one-process update of the same global batch."""
 
-from test_distributed import (assert_metrics_equal, assert_weights_equal, config, launch, metrics,
-                              one_process_reference, weights)
+from test_distributed import (
+    assert_metrics_equal,
+    assert_weights_equal,
+    config,
+    launch,
+    metrics,
+    one_process_reference,
+    weights,
+)
 
 
 def test_two_ddp_ranks_roll_out_on_their_own_vllm_engines_and_take_the_one_process_update(

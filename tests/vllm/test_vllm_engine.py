@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from lopd import agent, models, pipeline
+from lopd import agent, models, policies, stages
 from lopd.config import load_config
 from lopd.envs import get_env
 from lopd.latent import ReferenceFormat, insert_reference
@@ -35,7 +35,7 @@ def eval_tasks():
 
 
 def episodes(engine, env, tasks, tokenizer, params):
-    policy = agent.ModelPolicy(engine, tokenizer, params)
+    policy = policies.ModelPolicy(engine, tokenizer, params)
     return agent.run_episodes(env, tasks, policy, tokenizer, max_turns=8, max_new_tokens=96,
                               batch_size=len(tasks))
 
@@ -59,8 +59,8 @@ def max_gap(a, b):
 
 def test_engine_is_selectable_and_stops_where_transformers_does(setup):
     model, tokenizer, engine = setup
-    assert "vllm" in pipeline.ENGINES
-    pipeline.check_engine(load_config("tiny", ["rollout.engine=vllm"]).rollout)
+    assert "vllm" in stages.ENGINES
+    stages.check_engine(load_config("tiny", ["rollout.engine=vllm"]).rollout)
     assert engine.stop_token_ids == TransformersEngine(model, tokenizer).stop_token_ids
     assert engine.max_length == model.config.max_position_embeddings
 

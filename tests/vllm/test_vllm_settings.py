@@ -4,7 +4,7 @@ bf16-mixed training, and sleep mode refused where the platform has none."""
 import pytest
 import torch
 
-from lopd import models, pipeline
+from lopd import models, stages
 from lopd.config import ConfigError, load_config
 from lopd.rollout import SamplingParams
 from lopd.rollout.vllm_engine import VLLMEngine
@@ -20,7 +20,7 @@ def served_dtypes(engine) -> set:
 def test_bf16_mixed_training_is_served_in_bf16_and_its_sync_casts(tmp_path):
     model, tokenizer = models.load_model("toolworld-1m")
     model.eval()
-    engine = pipeline.make_engine(load_config("tiny", VLLM).rollout, model, tokenizer,
+    engine = stages.make_engine(load_config("tiny", VLLM).rollout, model, tokenizer,
                                   precision="bf16-mixed", train=True)
     try:
         assert engine.dtype == torch.bfloat16 and served_dtypes(engine) == {torch.bfloat16}
@@ -47,7 +47,7 @@ def test_bf16_mixed_training_is_served_in_bf16_and_its_sync_casts(tmp_path):
     for sets, precision, dtype in ((VLLM, "fp32", torch.float32),
                                    ([*VLLM, "rollout.vllm_dtype=float32"], "bf16-mixed",
                                     torch.float32)):
-        engine = pipeline.make_engine(load_config("tiny", sets).rollout, model.float(),
+        engine = stages.make_engine(load_config("tiny", sets).rollout, model.float(),
                                       tokenizer, precision=precision)
         try:
             assert engine.dtype == dtype and served_dtypes(engine) == {dtype}
@@ -63,7 +63,7 @@ def test_sleep_mode_is_refused_on_the_cpu_platform_in_one_line(tmp_path):
     message = ("rollout.vllm_sleep=true needs vLLM's sleep mode, which its cpu platform lacks "
                "(CUDA has it); set rollout.vllm_sleep=false")
     with pytest.raises(ConfigError) as err:
-        pipeline.check_engine(cfg.rollout)
+        stages.check_engine(cfg.rollout)
     assert str(err.value) == message
     with pytest.raises(ConfigError) as err:  # before the run folder is touched
         trainer.Trainer(cfg, tmp_path / "run", get_algorithm("grpo"), progress=False)

@@ -32,11 +32,19 @@ from typing import Any, ClassVar
 import torch
 
 from lopd.agent import Rollout
-from lopd.envs.environment import Task
+from lopd.config import ConfigError
 from lopd.distributed import SINGLE
+from lopd.envs.environment import Task
 from lopd.runtime import autocast
-from lopd.teacher import (DEFAULT_CHUNK_TOKENS, ActionLogits, TeacherView, action_logits, per_token,
-                          scoring_batch)
+from lopd.teacher import (
+    DEFAULT_CHUNK_TOKENS,
+    ActionLogits,
+    EMATeacher,
+    TeacherView,
+    action_logits,
+    per_token,
+    scoring_batch,
+)
 
 
 @dataclass
@@ -418,8 +426,6 @@ def require_unsharded(name: str, world, what: str) -> None:
     """Refuse FSDP2 at start-up (from :meth:`Algorithm.check_config`) for method ``name`` that
     keeps ``what`` (e.g. an EMA copy) beside the student: the copy would need the full, unsharded
     weights on every rank."""
-    from lopd.config import ConfigError
-
     if world.enabled and world.parallel == "fsdp2":
         raise ConfigError(f"{name} keeps {what} next to the student, which "
                           "train.parallel=fsdp2 shards; use train.parallel=ddp")
@@ -439,8 +445,6 @@ class EMATeacherMethod:
         super().check_config(cfg, world, fresh)
 
     def init_ema(self, rate: float, checkpoint: Path | None):
-        from lopd.teacher import EMATeacher
-
         # The student as loaded: the base model at step 0, the checkpoint's student on resume,
         # whose EMA then comes from the checkpoint.
         self.ema = EMATeacher(self.ctx.student, rate)

@@ -25,7 +25,15 @@ import torch
 from tqdm.auto import tqdm
 
 from lopd.agent import Rollout
-from lopd.algorithms.base import LossTerms, MicroBatch, Scores, SharedStep, StepBatch, Totals, Updater
+from lopd.algorithms.base import (
+    LossTerms,
+    MicroBatch,
+    Scores,
+    SharedStep,
+    StepBatch,
+    Totals,
+    Updater,
+)
 from lopd.composer import Composer
 from lopd.experience import random_traces, retrieve_traces
 from lopd.latent import ReferenceFormat

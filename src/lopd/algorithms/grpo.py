@@ -83,9 +83,9 @@ class GRPO(Algorithm):
         spec = self.spec = ctx.cfg.grpo
         self.passes = spec.num_iterations
         if spec.beta > 0:
-            from lopd import pipeline
+            from lopd import stages
 
-            reference, _ = pipeline.load_model(ctx.cfg, device=ctx.device)
+            reference, _ = stages.load_model(ctx.cfg, device=ctx.device)
             self.teacher = OtherWeights(reference.requires_grad_(False), self.pad_id)
 
     def before_step(self, batch: StepBatch) -> dict:

@@ -63,10 +63,18 @@ from typing import Literal
 
 import torch
 
-from lopd import losses, pipeline
+from lopd import losses, stages
 from lopd.algorithms import register
-from lopd.algorithms.base import (Algorithm, LossTerms, MicroBatch, Panel, Scores, StepBatch, Totals,
-                                  Updater)
+from lopd.algorithms.base import (
+    Algorithm,
+    LossTerms,
+    MicroBatch,
+    Panel,
+    Scores,
+    StepBatch,
+    Totals,
+    Updater,
+)
 from lopd.composer import Composer
 from lopd.config import knob
 from lopd.experience import DB_NAME, random_entries, retrieve
@@ -163,17 +171,17 @@ class LOPD(Algorithm):
                 shutil.rmtree(cold_start, ignore_errors=True)
                 shutil.copytree(self.spec.composer, cold_start)
             shutil.rmtree(bank_dir, ignore_errors=True)
-            with pipeline.open_bank(cfg, self.spec.bank, ctx.device) as source:
+            with stages.open_bank(cfg, self.spec.bank, ctx.device) as source:
                 source.snapshot(bank_dir)
         else:
             shutil.rmtree(bank_dir, ignore_errors=True)
             shutil.copytree(checkpoint / self.BANK_DIR, bank_dir)
         world.barrier()  # rank 0 has copied the cold-start composer
-        self.bank = pipeline.open_bank(cfg, bank_dir, ctx.device)
+        self.bank = stages.open_bank(cfg, bank_dir, ctx.device)
         self.validation_ids = ctx.validation_task_ids
         self.bank.withhold(self.validation_ids)
         # The frozen base θ0: one copy serves the composer's encoder (adapter on) and the teacher.
-        base, _ = pipeline.load_model(cfg, device=ctx.device)
+        base, _ = stages.load_model(cfg, device=ctx.device)
         self.composer = Composer.load(cold_start, base, ctx.tokenizer)
         self.composer.freeze_anchor(cache_mb=self.spec.anchor_cache_mb)
         if checkpoint is not None:

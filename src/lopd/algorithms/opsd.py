@@ -38,10 +38,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from lopd import losses, pipeline
+from lopd import losses, stages
 from lopd.algorithms import register
-from lopd.algorithms.base import (Algorithm, LossTerms, MicroBatch, Panel, Scores, StepBatch, Totals,
-                                  distillation_loss)
+from lopd.algorithms.base import (
+    Algorithm,
+    LossTerms,
+    MicroBatch,
+    Panel,
+    Scores,
+    StepBatch,
+    Totals,
+    distillation_loss,
+)
 from lopd.config import knob
 from lopd.envs.environment import OracleTraces
 from lopd.teacher import text_view
@@ -71,7 +79,7 @@ class OPSD(Algorithm):
         self.oracle = OracleTraces(ctx.env, ctx.train_tasks.values(), self.name,
                                    ctx.cfg.bank.max_observation_chars)
         # θ0: the configured base model, not the (possibly resumed) student.
-        base, _ = pipeline.load_model(ctx.cfg, device=ctx.device)
+        base, _ = stages.load_model(ctx.cfg, device=ctx.device)
         self.teacher = text_view(base.requires_grad_(False), ctx.tokenizer, self.spec.placement,
                                  PRIVILEGED_PREFIX)
 

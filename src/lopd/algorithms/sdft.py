@@ -37,8 +37,17 @@ from typing import Literal
 
 from lopd import losses
 from lopd.algorithms import register
-from lopd.algorithms.base import (Algorithm, EMATeacherMethod, LossTerms, MicroBatch, Panel, Scores,
-                                  StepBatch, Totals, distillation_loss)
+from lopd.algorithms.base import (
+    Algorithm,
+    EMATeacherMethod,
+    LossTerms,
+    MicroBatch,
+    Panel,
+    Scores,
+    StepBatch,
+    Totals,
+    distillation_loss,
+)
 from lopd.config import knob
 from lopd.envs.environment import OracleTraces
 from lopd.teacher import text_view

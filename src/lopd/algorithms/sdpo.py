@@ -82,8 +82,17 @@ import torch
 
 from lopd import losses
 from lopd.algorithms import register
-from lopd.algorithms.base import (Algorithm, EMATeacherMethod, LossTerms, MicroBatch, Panel, Scores,
-                                  StepBatch, Totals, distillation_loss)
+from lopd.algorithms.base import (
+    Algorithm,
+    EMATeacherMethod,
+    LossTerms,
+    MicroBatch,
+    Panel,
+    Scores,
+    StepBatch,
+    Totals,
+    distillation_loss,
+)
 from lopd.config import ConfigError, knob
 from lopd.teacher import text_view
 

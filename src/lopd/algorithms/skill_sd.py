@@ -74,8 +74,16 @@ import torch
 
 from lopd import losses
 from lopd.algorithms import register
-from lopd.algorithms.base import (Algorithm, LossTerms, MicroBatch, Panel, Scores, StepBatch, Totals,
-                                  require_unsharded)
+from lopd.algorithms.base import (
+    Algorithm,
+    LossTerms,
+    MicroBatch,
+    Panel,
+    Scores,
+    StepBatch,
+    Totals,
+    require_unsharded,
+)
 from lopd.config import ConfigError, knob
 from lopd.teacher import text_view
 

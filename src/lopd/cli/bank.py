@@ -46,11 +46,11 @@ def _snippet(trace: str, limit: int) -> str:
 
 
 def cmd_bank_query(args) -> int:
-    from lopd import pipeline, runtime
+    from lopd import runtime, stages
 
     cfg = load(args)
     device = runtime.setup(cfg.run)
-    with pipeline.open_bank(cfg, args.bank, device) as bank:
+    with stages.open_bank(cfg, args.bank, device) as bank:
         (hits,) = bank.search([args.text], args.k or cfg.bank.n_ret,
                               [args.exclude] if args.exclude else None,
                               allow_self_retrieval=cfg.bank.allow_self_retrieval)
@@ -64,11 +64,11 @@ def cmd_bank_query(args) -> int:
 
 
 def cmd_bank_stats(args) -> int:
-    from lopd import pipeline, runtime
+    from lopd import runtime, stages
 
     cfg = load(args)
     device = runtime.setup(cfg.run)
-    with pipeline.open_bank(cfg, args.bank, device) as bank:
+    with stages.open_bank(cfg, args.bank, device) as bank:
         stats = bank.stats()
     rows = [[domain, n] for domain, n in stats["per_domain"].items()]
     rows.append(["all", stats["entries"]])
@@ -82,16 +82,16 @@ def cmd_bank_stats(args) -> int:
 
 
 def cmd_bank_eval(args) -> int:
-    from lopd import pipeline, runtime
+    from lopd import runtime, stages
     from lopd.experience import retrieval_quality
 
     cfg = config_for_env(args)
     device = runtime.setup(cfg.run)
-    tasks = pipeline.get_env(cfg).tasks(args.split)[: args.limit or None]
+    tasks = stages.get_env(cfg).tasks(args.split)[: args.limit or None]
     k = args.k or cfg.bank.n_ret
     if args.limit < 0 or k < 1:
         raise ValueError("--limit must be >= 0 and -k >= 1")
-    with pipeline.open_bank(cfg, args.bank, device) as bank:
+    with stages.open_bank(cfg, args.bank, device) as bank:
         quality = retrieval_quality(bank, tasks, k,
                                     allow_self_retrieval=cfg.bank.allow_self_retrieval)
         quality.update({"bank": args.bank, "entries": len(bank), "split": args.split})

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from lopd.config import load_config
-from lopd.pipeline import CODE_ENVS
+from lopd.stages import CODE_ENVS
 
 
 def _group(title: str, add) -> argparse.ArgumentParser:

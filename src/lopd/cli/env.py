@@ -5,16 +5,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from lopd import stages
 from lopd.cli.common import add_command, add_env_arg, config_for_env
-from lopd.pipeline import CODE_ENVS
+from lopd.stages import CODE_ENVS
 from lopd.tables import domain_rows, format_table, key_value_table, write_json
 
 
 def cmd_tasks(args) -> int:
-    from lopd import pipeline
+    from lopd import stages
 
     cfg = config_for_env(args)
-    env = pipeline.get_env(cfg)
+    env = stages.get_env(cfg)
     tasks = env.tasks(args.split)
     if args.out:
         out = Path(args.out)
@@ -41,7 +42,6 @@ def cmd_tasks(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from lopd import pipeline
 
     cfg = config_for_env(args)
     split = ("eval" if args.subset == "all" else args.subset) if args.subset else args.split
@@ -55,10 +55,10 @@ def cmd_eval(args) -> int:
     if args.samples > 1 and cfg.rollout.eval_temperature <= 0 and args.agent == "model":
         raise ValueError("--samples > 1 needs sampling: add --set rollout.eval_temperature=0.8 "
                          "(greedy samples are all the same)")
-    summary, rollouts = pipeline.evaluate_agent(cfg, args.agent, args.model, split, args.limit,
+    summary, rollouts = stages.evaluate_agent(cfg, args.agent, args.model, split, args.limit,
                                                 args.samples, args.composer, args.bank)
     if args.episodes:
-        pipeline.write_episodes(args.episodes, rollouts)
+        stages.write_episodes(args.episodes, rollouts)
     model = summary["model"] or cfg.model.name_or_path
     who = (f"base {model} + composer {args.composer}" if args.composer
            else f"model {model}" if args.agent == "model" else args.agent)

@@ -1,4 +1,5 @@
-"""``lopd experiment NAME``: the paper's controlled experiments (:mod:`lopd.experiments.paper`)."""
+"""``lopd experiment NAME``: the paper's controlled experiments, one module each under
+:mod:`lopd.experiments` (the shared machinery in :mod:`lopd.experiments.common`)."""
 
 from __future__ import annotations
 
@@ -29,28 +30,37 @@ def _finish(args, report: dict, name: str) -> int:
 
 
 def cmd_experiment(args) -> int:
-    from lopd.experiments import paper
-
     out, overrides = Path(args.out), lopd_input_overrides(args)
     name = args.experiment
     if name == "joint-optimisation":
-        report = paper.joint_optimisation(args.config, overrides, out, args.seeds, args.jobs,
-                                          _numbers(float)(args.margins))
+        from lopd.experiments.joint_optimisation import joint_optimisation
+
+        report = joint_optimisation(args.config, overrides, out, args.seeds, args.jobs,
+                                    _numbers(float)(args.margins))
     elif name == "random-latent":
-        report = paper.random_latent(args.config, overrides, out, args.seeds, args.jobs)
+        from lopd.experiments.random_latent import random_latent
+
+        report = random_latent(args.config, overrides, out, args.seeds, args.jobs)
     elif name == "sensitivity":
-        report = paper.sensitivity(args.config, overrides, out, args.seeds, args.jobs,
-                                   _numbers(int)(args.n_ret), _numbers(int)(args.latents),
-                                   args.cold_start_set)
+        from lopd.experiments.sensitivity import sensitivity
+
+        report = sensitivity(args.config, overrides, out, args.seeds, args.jobs,
+                             _numbers(int)(args.n_ret), _numbers(int)(args.latents),
+                             args.cold_start_set)
     elif name == "internalisation":
-        report = paper.internalisation(args.config, overrides, out, args.seeds, args.jobs)
+        from lopd.experiments.internalisation import internalisation
+
+        report = internalisation(args.config, overrides, out, args.seeds, args.jobs)
     elif name == "sample-efficiency":
+        from lopd.experiments.sample_efficiency import sample_efficiency
+
         algos = [a.strip() for a in args.algos.split(",") if a.strip()]
-        report = paper.sample_efficiency(args.config, overrides, out, algos, args.seeds,
-                                         args.jobs, _learning_rates(args.lr),
-                                         _numbers(int)(args.at))
+        report = sample_efficiency(args.config, overrides, out, algos, args.seeds, args.jobs,
+                                   _learning_rates(args.lr), _numbers(int)(args.at))
     else:  # latent-decoding
-        report = paper.latent_decoding(args.config, overrides, out, args.tasks, args.top)
+        from lopd.experiments.latent_decoding import latent_decoding
+
+        report = latent_decoding(args.config, overrides, out, args.tasks, args.top)
     return _finish(args, report, name)
 
 

@@ -38,10 +38,10 @@ def cmd_model_prepare(args) -> int:
 
 
 def cmd_model_info(args) -> int:
-    from lopd import models
+    from lopd import pipeline
 
     cfg = load(args)
-    info = models.model_info(args.path, trust_remote_code=cfg.model.trust_remote_code)
+    info = pipeline.model_info(args.path, trust_remote_code=cfg.model.trust_remote_code)
     print(key_value_table({k: v for k, v in info.items() if k != "checks"},
                           title=f"model {info['path']}"))
     print()

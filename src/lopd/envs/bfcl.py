@@ -27,13 +27,11 @@ from __future__ import annotations
 import ast
 import json
 import uuid
-from functools import lru_cache
+from functools import cache
 from importlib import resources
 
-from lopd.envs.environment import (
-    FINAL_MARKER, Action, Environment, Episode, FinalAnswer, Malformed, StepResult, Task, ToolCall,
-    Verdict,
-)
+from lopd.chat import FINAL_MARKER, Action, FinalAnswer, Malformed, ToolCall
+from lopd.envs.environment import Environment, Episode, StepResult, Task, Verdict
 
 SUBSETS = ("base", "miss_func", "miss_param", "long_context")
 DOC_FILES = {
@@ -86,7 +84,7 @@ def _convert(schema):
     return out
 
 
-@lru_cache(maxsize=None)
+@cache
 def function_docs(class_name: str) -> tuple[dict, ...]:
     """The class's functions as tool schemas (HF/OpenAI format), in the package's order."""
     docs = _jsonl(f"multi_turn_func_doc/{DOC_FILES[class_name]}.json")
@@ -277,7 +275,7 @@ class BFCL(Environment):
         self.max_episode_turns = 10 * max_steps_per_turn
         self._entries: dict[str, tuple[dict, list[list[str]]]] = {}
 
-    @lru_cache(maxsize=None)
+    @cache
     def _subset(self, subset: str) -> tuple[Task, ...]:
         entries = _jsonl(f"BFCL_v3_multi_turn_{subset}.json")
         answers = {a["id"]: a["ground_truth"] for a in _jsonl(

@@ -15,7 +15,8 @@ def main() -> None:
     answers = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
     sys.stdout = open(os.devnull, "w")
     from bfcl.eval_checker.multi_turn_eval.multi_turn_checker import (
-        multi_turn_checker, multi_turn_irrelevance_checker,
+        multi_turn_checker,
+        multi_turn_irrelevance_checker,
     )
     from bfcl.eval_checker.multi_turn_eval.multi_turn_utils import execute_multi_turn_func_call
 

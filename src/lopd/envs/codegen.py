@@ -20,7 +20,8 @@ import math
 import re
 from collections.abc import Callable
 
-from lopd.envs.environment import Action, Episode, StepResult, Task, ToolCall, Verdict
+from lopd.chat import Action, ToolCall
+from lopd.envs.environment import Episode, StepResult, Task, Verdict
 from lopd.envs.sandbox import Limits, Report, TestOutcome, canonical, run
 
 _FENCE = re.compile(r"```[ \t]*(?:python|py|Python)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)

@@ -17,40 +17,9 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field, replace
 
-FINAL_MARKER = "Task Completed"
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """A well-formed call of a tool that exists, with arguments that match its schema."""
-
-    name: str
-    arguments: dict[str, Any]
-
-    def to_text(self) -> str:
-        """The assistant text for this call, in the Hermes/Qwen format."""
-        return "<tool_call>" + json.dumps({"name": self.name, "arguments": self.arguments}) + "</tool_call>"
-
-
-@dataclass(frozen=True)
-class FinalAnswer:
-    """Text without a tool call that contains the final marker: the episode ends."""
-
-    text: str
-
-
-@dataclass(frozen=True)
-class Malformed:
-    """Anything else the model wrote; ``error`` is shown to the model as the observation."""
-
-    text: str
-    error: str
-
-
-Action = ToolCall | FinalAnswer | Malformed
+from lopd.chat import Action, FinalAnswer, ToolCall, chat_safe, one_line, parse_action
 
 
 @dataclass(frozen=True)
@@ -90,7 +59,7 @@ class StepResult:
     observation: str | None
     """Content of the tool message returned to the agent; None once the episode is done. It may
     quote the model's arguments verbatim: the agent loop escapes control characters and lone
-    surrogates before it reaches the chat (:func:`lopd.agent.chat_safe`), and breaks the text of
+    surrogates before it reaches the chat (:func:`lopd.chat.chat_safe`), and breaks the text of
     special tokens so that it tokenizes as text (:func:`lopd.models.quote_special_tokens`)."""
     reward: float
     """0.0 until the episode is done; then the verifier's reward."""
@@ -115,7 +84,7 @@ class Episode(ABC):
     code_answers: bool = False
     """True when every assistant message is a program the episode runs as its answer (the code
     environments: no tools, no final marker); the agent records such turns as ``"code"`` and
-    compact traces keep them whole (:func:`lopd.agent.compact_trace`)."""
+    compact traces keep them whole (:func:`compact_trace`)."""
 
     @property
     def tools(self) -> list[dict]:
@@ -166,8 +135,6 @@ class Environment(ABC):
 
         Only tasks of :attr:`oracle_splits` give one out: an evaluation task's solution must never
         reach a training method."""
-        from lopd.agent import compact_trace, replay_turns  # agent builds on this module
-
         if not self.oracle_splits:
             raise OracleError(f"environment {self.name} has no oracle trajectories for training")
         if task.env != self.name:
@@ -211,3 +178,69 @@ class OracleTraces:
                                   "this run; its oracle trajectory is not given out")
         return [self.by_task[t.task_id] for t in tasks]
 
+
+# ----------------------------------------------------------------------------------------------
+# Traces: what an episode's turns are, and their compact text
+
+
+def _action_kind(action: Action) -> str:
+    if isinstance(action, ToolCall):
+        return "tool_call"
+    return "answer" if isinstance(action, FinalAnswer) else "malformed"
+
+
+def safe_step(episode: Episode, action: Action) -> StepResult:
+    """``episode.step(action)`` with its observation made :func:`chat_safe`: every environment's
+    text reaches the chat (and the rollout record) through here, whatever the environment quotes."""
+    result = episode.step(action)
+    return replace(result, observation=chat_safe(result.observation))
+
+
+def turn_record(text: str, action: Action, result: StepResult, code: bool = False) -> dict:
+    """One entry of :attr:`Rollout.turns`: the assistant's text, what it parsed to, the answer.
+    ``code``: the episode takes every message as a program (:attr:`Episode.code_answers`), so the
+    turn is a ``"code"`` answer whatever the tool-call parser made of it."""
+    return {"action": text, "kind": "code" if code else _action_kind(action),
+            "call": {"name": action.name, "arguments": action.arguments}
+            if isinstance(action, ToolCall) else None,
+            "observation": result.observation}
+
+
+def compact_trace(instruction: str, turns: list[dict], max_observation_chars: int = 80) -> str:
+    """The compact trace of an episode's ``turns`` (see :meth:`Rollout.compact_trace`).
+
+    A ``"code"`` turn (a code environment's answer) is the decision itself, like a tool call's
+    arguments: it is kept whole and verbatim on the lines after ``answer:`` (cut or re-spaced,
+    code means nothing), and its feedback, if any, follows on a line of its own."""
+    lines = [f"Task: {instruction}"]
+    for n, turn in enumerate(turns, 1):
+        arrow = " -> "
+        if turn["kind"] == "tool_call":
+            call = turn["call"]
+            action = f"{call['name']}({json.dumps(call['arguments'])})"
+        elif turn["kind"] == "code":
+            action = "answer:\n" + turn["action"].strip("\n")
+            arrow = "\n-> "
+        elif turn["kind"] == "answer":
+            action = "answer: " + one_line(turn["action"], max_observation_chars)
+        else:
+            action = "malformed: " + one_line(turn["action"], max_observation_chars)
+        if turn["observation"] is not None:
+            action += arrow + one_line(turn["observation"], max_observation_chars)
+        lines.append(f"{n}. {action}")
+    return "\n".join(lines)
+
+
+def replay_turns(env: Environment, task: Task, texts: list[str]) -> list[dict]:
+    """The turns the agent loop records when the assistant writes ``texts`` in order on a fresh
+    episode of ``task`` (parsed and answered exactly as in :func:`run_episodes`), until the
+    episode ends or the texts run out. No tokenizer: only the chat-level record."""
+    episode = env.reset(task)
+    turns = []
+    for text in texts:
+        action = parse_action(text, episode.tools)
+        result = safe_step(episode, action)
+        turns.append(turn_record(text, action, result, episode.code_answers))
+        if result.done or (isinstance(action, FinalAnswer) and result.observation is None):
+            break
+    return turns

@@ -23,8 +23,8 @@ import json
 from functools import lru_cache
 from importlib import resources
 
-from lopd.envs.environment import Environment, Task
 from lopd.envs.codegen import CodeEpisode, fence
+from lopd.envs.environment import Environment, Task
 from lopd.envs.sandbox import Limits, record_checks
 
 INSTRUCTION = "Complete the following Python function:\n"

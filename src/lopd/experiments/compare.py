@@ -37,10 +37,15 @@ import json
 import statistics
 from pathlib import Path
 
-from lopd import pipeline
+from lopd import stages
 from lopd.config import Config, load_config
-from lopd.experiments.runs import (check_reusable, finished, read_evals, setup_generations,
-                                   train_or_reuse)
+from lopd.experiments.runs import (
+    check_reusable,
+    finished,
+    read_evals,
+    setup_generations,
+    train_or_reuse,
+)
 from lopd.trainer import checkpoints, write_config
 
 BASE = "base"
@@ -123,9 +128,9 @@ def evaluate_base(cfg: Config, out: Path) -> dict:
     if path.exists():
         return json.loads(path.read_text())
     device = runtime.setup(cfg.run)
-    env = pipeline.get_env(cfg)
-    policy, tokenizer = pipeline.make_policy(cfg, "model", device=device)
-    summary, _ = pipeline.evaluate(cfg, env, pipeline.held_out_tasks(cfg, env)[1], policy,
+    env = stages.get_env(cfg)
+    policy, tokenizer = stages.make_policy(cfg, "model", device=device)
+    summary, _ = stages.evaluate(cfg, env, stages.held_out_tasks(cfg, env)[1], policy,
                                    tokenizer)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary, indent=1))
@@ -153,8 +158,8 @@ def transfer_score(config: str | Path, overrides: list[str], model_path: str | P
         if cached.get("model") == str(model_path):
             return cached
     cfg = load_config(config, [*overrides, f"env.name={env_name}"])
-    summary, _ = pipeline.evaluate_agent(cfg, "model", str(model_path), "eval")
-    code = env_name in pipeline.CODE_ENVS
+    summary, _ = stages.evaluate_agent(cfg, "model", str(model_path), "eval")
+    code = env_name in stages.CODE_ENVS
     record = {"env": env_name, "model": str(model_path),
               "metric": "pass@1" if code else "mean reward",
               "score": summary["pass_at_k"]["pass@1"] if code else summary["mean_reward"],
@@ -309,7 +314,7 @@ def _number(value: float | None, digits: int = 3) -> str:
 
 def markdown(table: dict, seeds: int, ratio: dict, notes: list[str] = ()) -> str:
     envs = list(next(iter(table.values()), {}).get("transfer", {}))
-    columns = [f"{env} {'pass@1' if env in pipeline.CODE_ENVS else 'mean reward'}"
+    columns = [f"{env} {'pass@1' if env in stages.CODE_ENVS else 'mean reward'}"
                for env in envs]
     lines = ["| " + " | ".join(["method", "held-out mean reward", "held-out success rate",
                                 *columns, "training rollouts", "setup rollouts", "charged",

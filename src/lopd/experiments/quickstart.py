@@ -31,7 +31,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from lopd import pipeline
+from lopd import pipeline, stages
 from lopd.config import Config
 from lopd.tables import domain_rows, format_table, key_value_table
 
@@ -99,14 +99,14 @@ def run(cfg: Config, lopd_steps: int = 70, rebuild: bool = False, bank_tasks: in
 
     ``build_base`` implies ``rebuild``: the embedded composer and bank belong to the embedded base.
     """
-    from lopd import models, runtime, trainer
+    from lopd import runtime, trainer
     from lopd.experiments.runs import check_reusable, train_or_reuse
 
     if lopd_steps < 1:
         raise ValueError(f"lopd steps must be >= 1, got {lopd_steps}")
     rebuild = rebuild or build_base
     if not rebuild:
-        embedded_composer, embedded_bank = pipeline.embedded_assets(cfg)
+        embedded_composer, embedded_bank = stages.embedded_assets(cfg)
     out = Path(cfg.run.output_dir) / "quickstart"
     if fresh:
         shutil.rmtree(out, ignore_errors=True)
@@ -126,17 +126,17 @@ def run(cfg: Config, lopd_steps: int = 70, rebuild: bool = False, bank_tasks: in
         title = f"1. base model (built here by the `lopd base` recipe -> {base_dir})"
     else:
         title = "1. base model (the embedded default, built by `lopd base`; --build-base rebuilds it)"
-    info = models.model_info(cfg.model.name_or_path)
+    info = pipeline.model_info(cfg.model.name_or_path)
     print(key_value_table({k: info[k] for k in ("path", "architecture", "parameters", "hidden_size",
                                                 "num_hidden_layers", "vocab_size")}, title=title))
 
-    env = pipeline.get_env(cfg)
-    train_tasks, eval_tasks = pipeline.held_out_tasks(cfg, env)
+    env = stages.get_env(cfg)
+    train_tasks, eval_tasks = stages.held_out_tasks(cfg, env)
     print(f"\n2. {cfg.env.name}: {len(train_tasks)} training tasks, {len(env.tasks('eval'))} "
           f"held-out tasks (the first {len(eval_tasks)} are evaluated)")
 
-    policy, tokenizer = pipeline.make_policy(cfg, "oracle")
-    oracle, _ = pipeline.evaluate(cfg, env, eval_tasks, policy, tokenizer, progress=False)
+    policy, tokenizer = stages.make_policy(cfg, "oracle")
+    oracle, _ = stages.evaluate(cfg, env, eval_tasks, policy, tokenizer, progress=False)
     print(f"\n3. harness check: the oracle scores mean reward {oracle['mean_reward']:.3f}, "
           f"success {oracle['success_rate']:.3f} on the held-out tasks")
 
@@ -148,8 +148,8 @@ def run(cfg: Config, lopd_steps: int = 70, rebuild: bool = False, bank_tasks: in
     if cached.get("key") == key:
         base = cached["summary"]
     else:
-        policy, tokenizer = pipeline.make_policy(cfg, "model")
-        base, _ = pipeline.evaluate(cfg, env, eval_tasks, policy, tokenizer)
+        policy, tokenizer = stages.make_policy(cfg, "model")
+        base, _ = stages.evaluate(cfg, env, eval_tasks, policy, tokenizer)
         base_path.write_text(json.dumps({"key": key, "summary": base}, indent=1))
     temperature = cfg.rollout.eval_temperature
     print()
@@ -177,12 +177,12 @@ def run(cfg: Config, lopd_steps: int = 70, rebuild: bool = False, bank_tasks: in
               f"successes, teacher NLL {cold['first_nll']:.4f} -> {cold['final_nll']:.4f} "
               f"-> {composer_dir}")
     else:
-        provenance = pipeline.read_provenance(embedded_composer, embedded_bank)
+        provenance = stages.read_provenance(embedded_composer, embedded_bank)
 
         def copy_bank() -> dict:
             # The package's bank is never opened in place: opening writes SQLite's WAL files.
             shutil.copytree(embedded_bank, bank_dir)
-            with pipeline.open_bank(cfg, bank_dir) as opened:
+            with stages.open_bank(cfg, bank_dir) as opened:
                 return {"entries": len(opened), "source": str(embedded_bank),
                         "rollouts": provenance["bank_rollouts"]}
 
@@ -240,7 +240,7 @@ def run(cfg: Config, lopd_steps: int = 70, rebuild: bool = False, bank_tasks: in
                "lopd": {"mean_reward": final["mean_reward"], "success_rate": final["success_rate"],
                         "steps": lopd_steps, "generations": final["generations"]},
                "assets": origin, "bank": bank, "cold_start": cold,
-               "before_lopd": {k: provenance[k] for k in pipeline.PROVENANCE_KEYS},
+               "before_lopd": {k: provenance[k] for k in stages.PROVENANCE_KEYS},
                "verdict": said, "minutes": round(minutes, 1)}
     (out / "summary.json").write_text(json.dumps(figures, indent=1))
     print(f"\n   {before}.")

@@ -22,8 +22,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from lopd.chat import IM_END, LATENT_TOKEN
 from lopd.latent import splice_embeddings
-from lopd.models import IM_END, LATENT_TOKEN
 from lopd.rollout.engine import Generation, RolloutEngine, SamplingParams, check_prompts
 from lopd.runtime import length_groups
 

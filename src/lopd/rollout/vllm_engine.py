@@ -60,9 +60,9 @@ from pathlib import Path
 
 import torch
 
+from lopd.chat import LATENT_TOKEN
 from lopd.config import ConfigError
 from lopd.latent import splice_embeddings
-from lopd.models import LATENT_TOKEN
 from lopd.rollout.engine import Generation, RolloutEngine, SamplingParams, check_prompts
 from lopd.rollout.transformers_engine import default_stop_token_ids
 from lopd.runtime import launched

@@ -39,9 +39,9 @@ import random
 import textwrap
 from collections import Counter
 
-from lopd.envs.environment import Environment, Task
 from lopd.envs.codegen import REWARDS, CodeEpisode, extract_code, fence
 from lopd.envs.codeworld.problems import TEMPLATES, Problem
+from lopd.envs.environment import Environment, Task
 from lopd.envs.sandbox import Limits, run_many
 
 DEFAULT_SIZES = {"pretrain": 20_000, "train": 7_000, "eval": 500}

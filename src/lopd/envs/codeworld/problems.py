@@ -16,6 +16,10 @@ The vocabulary is built for a ~1M-parameter model: a handful of argument names (
 ``s``, ``text``, ``d``, ``n``), one or two sentence statements, one to six line bodies, list and
 dict values in -20..20, and words and keys from short closed lists. :func:`generate` is a pure function of the
 random generator's state, so a problem is stored as its template name and a seed.
+
+One piece, though long: it is a catalogue of ~50 short templates, and the order they register in
+(:data:`TEMPLATES`) is the order problems are drawn in, so every split's tasks depend on it; one
+file keeps that order where a reader sees it.
 """
 
 from __future__ import annotations

@@ -53,13 +53,20 @@ import re
 from collections import Counter
 from collections.abc import Sequence
 
-from lopd.envs.environment import (
-    FINAL_MARKER, Action, Environment, Episode, FinalAnswer, Malformed, StepResult, Task, ToolCall,
-    Verdict)
+from lopd.chat import FINAL_MARKER, Action, FinalAnswer, Malformed, ToolCall
+from lopd.envs.environment import Environment, Episode, StepResult, Task, Verdict
 from lopd.envs.toolworld import ecommerce, healthcare, insurance, logistics
 from lopd.envs.toolworld.core import (
-    NAMES, NOTHING_ELSE, Domain, Instance, TaskRandom, Template, ToolError, nothing_else_changed,
-    snapshot)
+    NAMES,
+    NOTHING_ELSE,
+    Domain,
+    Instance,
+    TaskRandom,
+    Template,
+    ToolError,
+    nothing_else_changed,
+    snapshot,
+)
 
 DOMAINS: dict[str, Domain] = {d.name: d for d in (
     ecommerce.DOMAIN, insurance.DOMAIN, logistics.DOMAIN, healthcare.DOMAIN)}

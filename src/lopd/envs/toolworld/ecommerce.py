@@ -11,8 +11,25 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from lopd.envs.toolworld.core import (
-    CITIES, NAMES, P_OK, Domain, FieldIs, Ids, Instance, Param, Template, Ticket, Tool, ToolError,
-    attempt, call, find_by_name, get_row, listing, ticket_tool)
+    CITIES,
+    NAMES,
+    P_OK,
+    Domain,
+    FieldIs,
+    Ids,
+    Instance,
+    Param,
+    Template,
+    Ticket,
+    Tool,
+    ToolError,
+    attempt,
+    call,
+    find_by_name,
+    get_row,
+    listing,
+    ticket_tool,
+)
 
 PRODUCTS = ("lamp", "chair", "desk", "phone", "camera", "kettle", "watch", "bike")
 # Statuses a generated order starts in ("returned" only arises from return_order).

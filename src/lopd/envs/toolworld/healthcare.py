@@ -12,8 +12,27 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lopd.envs.toolworld.core import (
-    NAMES, P_OK, Domain, FieldIs, Ids, Instance, Param, RowAdded, Template, Ticket, Tool,
-    ToolError, attempt, call, find_by_name, get_row, listing, next_id, ticket_check, ticket_tool)
+    NAMES,
+    P_OK,
+    Domain,
+    FieldIs,
+    Ids,
+    Instance,
+    Param,
+    RowAdded,
+    Template,
+    Ticket,
+    Tool,
+    ToolError,
+    attempt,
+    call,
+    find_by_name,
+    get_row,
+    listing,
+    next_id,
+    ticket_check,
+    ticket_tool,
+)
 
 SPECIALTIES = ("cardiology", "dermatology", "neurology", "pediatrics", "oncology", "radiology")
 DAYS = ("mon", "tue", "wed", "thu", "fri")

@@ -12,8 +12,26 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lopd.envs.toolworld.core import (
-    NAMES, P_OK, Domain, FieldIs, Ids, Instance, Param, RowAdded, Template, Ticket, Tool,
-    ToolError, attempt, call, find_by_name, get_row, listing, next_id, ticket_tool)
+    NAMES,
+    P_OK,
+    Domain,
+    FieldIs,
+    Ids,
+    Instance,
+    Param,
+    RowAdded,
+    Template,
+    Ticket,
+    Tool,
+    ToolError,
+    attempt,
+    call,
+    find_by_name,
+    get_row,
+    listing,
+    next_id,
+    ticket_tool,
+)
 
 KINDS = ("auto", "home", "travel", "pet", "life", "health")
 PLANS = ("basic", "plus", "premium")

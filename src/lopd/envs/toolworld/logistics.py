@@ -13,8 +13,27 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lopd.envs.toolworld.core import (
-    CITIES, NAMES, P_OK, Check, Domain, FieldIs, Ids, Instance, Param, Template, Ticket, Tool,
-    ToolError, attempt, call, find_by_name, get_row, listing, ticket_check, ticket_tool)
+    CITIES,
+    NAMES,
+    P_OK,
+    Check,
+    Domain,
+    FieldIs,
+    Ids,
+    Instance,
+    Param,
+    Template,
+    Ticket,
+    Tool,
+    ToolError,
+    attempt,
+    call,
+    find_by_name,
+    get_row,
+    listing,
+    ticket_check,
+    ticket_tool,
+)
 
 STATUSES = ("created", "in_transit", "on_hold", "delivered")
 EXPRESS_LIMIT = 20  # kg

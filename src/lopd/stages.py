@@ -1,0 +1,365 @@
+"""The stages a run is made of: the environment, engines, models and policies, held-out
+evaluation, episode files and the experience bank.
+
+The trainer, the algorithms and the warm-up build on these; :mod:`lopd.pipeline` composes them
+into the entry points (bank building, cold start, training), and the CLI, the quickstart,
+``compare`` / ``sweep`` and the benchmarks call the same functions: none of them builds an engine,
+a policy or an evaluation of its own. Each takes a :class:`Config` and returns objects or plain
+figures. The cold-started composer and bank shipped in the package are named here too
+(:data:`EMBEDDED_COMPOSER`, :data:`EMBEDDED_BANK`).
+
+Heavy modules (torch, transformers, FAISS, vLLM) are imported inside the functions that use them,
+so that the CLI's parser and the commands that need none of them start without loading them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from lopd.config import Config, ConfigError
+
+# ----------------------------------------------------------------------------------------------
+# Embedded assets
+
+ASSETS = Path(__file__).parent / "assets"
+EMBEDDED_COMPOSER = ASSETS / "toolworld-1m-composer"
+"""The cold-started composer shipped in the package (a folder written by ``Composer.save``)."""
+EMBEDDED_BANK = ASSETS / "toolworld-1m-bank"
+"""The experience bank it was cold-started on (never written to: runs work on copies)."""
+EMBEDDED_FOR = ("toolworld-1m", "toolworld")
+"""(model, environment) the embedded composer and bank were built for."""
+PROVENANCE_FILE = "provenance.json"
+PROVENANCE_KEYS = ("bank_rollouts", "cold_start_steps", "commands")
+
+
+def embedded_assets(cfg: Config) -> tuple[Path, Path]:
+    """(composer folder, bank folder) shipped in the package, checked to exist and to fit ``cfg``'s
+    model and environment."""
+    from lopd.composer import Composer
+    from lopd.experience import DB_NAME
+
+    model, env = EMBEDDED_FOR
+    if cfg.model.name_or_path != model or cfg.env.name != env:
+        raise ValueError(f"the embedded composer and bank were built for {model} on {env}, not "
+                         f"{cfg.model.name_or_path} on {cfg.env.name}; build both for it with "
+                         "--rebuild")
+    missing = [str(folder) for folder, marker in ((EMBEDDED_COMPOSER, Composer.CONFIG_FILE),
+                                                  (EMBEDDED_BANK, DB_NAME))
+               if not (folder / marker).is_file()]
+    if missing:
+        raise FileNotFoundError(f"the embedded cold-started composer and bank are not in this "
+                                f"install (missing {', '.join(missing)}); build both here with "
+                                "`lopd quickstart --rebuild`")
+    return EMBEDDED_COMPOSER, EMBEDDED_BANK
+
+
+def read_provenance(*folders: str | Path) -> dict:
+    """``bank_rollouts``, ``cold_start_steps`` and ``commands`` as recorded in the folders'
+    ``provenance.json`` (the first folder that records a key wins); ``"unknown"`` where none
+    does."""
+    found: dict = {}
+    for folder in folders:
+        path = Path(folder) / PROVENANCE_FILE
+        if path.is_file():
+            try:
+                record = json.loads(path.read_text())
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                for key, value in record.items():
+                    found.setdefault(key, value)
+    return {**found, **{key: found.get(key, "unknown") for key in PROVENANCE_KEYS}}
+
+
+# ----------------------------------------------------------------------------------------------
+# Engines and policies
+
+def _engines() -> tuple[str, ...]:
+    from lopd.rollout.vllm_engine import vllm_available
+
+    return ("transformers", "vllm") if vllm_available() else ("transformers",)
+
+
+ENGINES = _engines()
+"""Rollout engines that exist here; ``rollout.engine`` accepts these and refuses any other
+("vllm" only where vLLM can be imported)."""
+
+
+def check_engine(rollout_cfg) -> None:
+    """Refuse, at start-up, a ``rollout.engine`` no engine implements (or whose library is
+    missing, saying how to install it), and ``rollout.vllm_sleep`` where vLLM has no sleep mode."""
+    if rollout_cfg.engine in ENGINES:
+        if rollout_cfg.engine == "vllm" and rollout_cfg.vllm_sleep:
+            from lopd.rollout.vllm_engine import check_sleep_mode
+
+            check_sleep_mode()
+        return
+    if rollout_cfg.engine == "vllm":
+        from lopd.rollout.vllm_engine import INSTALL_HINT
+
+        raise ConfigError(f"rollout.engine='vllm' needs vLLM, which is not installed here: "
+                          f"{INSTALL_HINT}; available: {', '.join(ENGINES)}")
+    raise ConfigError(f"rollout.engine={rollout_cfg.engine!r} is not available: lopd has no "
+                      f"{rollout_cfg.engine} engine yet; available: {', '.join(ENGINES)}")
+
+
+def make_engine(rollout_cfg, model, tokenizer, precision: str = "auto", train: bool = False):
+    """The rollout engine named by ``rollout.engine`` over ``model`` (kept resident). An engine
+    that holds its own copy of the weights (vLLM) must be told of every update of ``model``:
+    :func:`sync_engine` after each optimiser step. ``precision``: the run's (``run.precision``),
+    which decides vLLM's served dtype; ``train``: ``model`` is the student the caller updates
+    (vLLM keeps room for the update, or sleeps through it with ``rollout.vllm_sleep``)."""
+    check_engine(rollout_cfg)
+    if rollout_cfg.engine == "vllm":
+        from lopd import runtime
+        from lopd.rollout.vllm_engine import UPDATE_WEIGHT_COPIES, VLLMEngine, serving_dtype
+
+        weights = list(model.parameters())
+        resolved = runtime.resolve_precision(precision, weights[0].device)
+        sleep = train and rollout_cfg.vllm_sleep
+        trainable = sum(p.numel() * p.element_size() for p in weights if p.requires_grad)
+        return VLLMEngine(
+            model, tokenizer,
+            dtype=serving_dtype(rollout_cfg.vllm_dtype, resolved, weights[0].dtype),
+            gpu_memory_utilization=rollout_cfg.vllm_gpu_memory_utilization,
+            update_bytes=UPDATE_WEIGHT_COPIES * trainable if train and not sleep else 0,
+            sleep=sleep)
+    from lopd.rollout import TransformersEngine
+
+    return TransformersEngine(model, tokenizer)
+
+
+def sync_engine(engine, model) -> None:
+    """Make ``engine`` generate with ``model``'s current weights: call after every update of the
+    model it serves. A no-op for engines that generate from the model itself (transformers); vLLM
+    reloads the weights and clears its prefix cache (~0.03 s on the tiny model)."""
+    engine.sync_weights(model)
+
+
+def sampling(cfg: Config, temperature: float | None = None, seed: int | None = None):
+    """Sampling settings of the config's rollout section; ``temperature`` defaults to the
+    evaluation temperature and ``seed`` to ``run.seed``."""
+    from lopd.rollout import SamplingParams
+
+    temperature = cfg.rollout.eval_temperature if temperature is None else temperature
+    return SamplingParams.from_config(cfg.rollout, temperature,
+                                      cfg.run.seed if seed is None else seed)
+
+
+def load_model(cfg: Config, model_path: str | None = None, device=None):
+    """(model in eval mode, tokenizer) of ``model_path`` (default ``model.name_or_path``) with the
+    run's device and dtype."""
+    from lopd import models, runtime
+
+    device = device if device is not None else runtime.resolve_device(cfg.run.device)
+    model, tokenizer = models.load_model(model_path or cfg.model.name_or_path, device=device,
+                                         dtype=runtime.resolve_dtype(cfg.run.dtype, device, cfg.run.precision),
+                                         trust_remote_code=cfg.model.trust_remote_code)
+    return model.eval(), tokenizer
+
+
+def model_policy(cfg: Config, model, tokenizer, temperature: float | None = None,
+                 seed: int | None = None, engine=None):
+    """The model acting through the configured engine (``engine`` reuses one already built)."""
+    from lopd.policies import ModelPolicy
+
+    engine = engine if engine is not None else make_engine(cfg.rollout, model, tokenizer,
+                                                           cfg.run.precision)
+    return ModelPolicy(engine, tokenizer, sampling(cfg, temperature, seed))
+
+
+def make_policy(cfg: Config, agent: str = "model", model_path: str | None = None, device=None,
+                temperature: float | None = None):
+    """(policy, tokenizer) for ``agent``: ``model`` (the model at ``model_path``), ``oracle``
+    (the gold solution) or ``random`` (random valid tool calls). The tokenizer counts tokens."""
+    from lopd import agent as agents
+    from lopd import models
+
+    path = model_path or cfg.model.name_or_path
+    if agent in ("oracle", "random"):
+        tokenizer = models.load_tokenizer(models.resolve_model_path(path),
+                                          trust_remote_code=cfg.model.trust_remote_code)
+        if agent == "oracle":
+            return agents.OraclePolicy(), tokenizer
+        return agents.RandomPolicy(seed=cfg.run.seed), tokenizer
+    if agent != "model":
+        raise ValueError(f"unknown agent {agent!r}; agents: model, oracle, random")
+    model, tokenizer = load_model(cfg, path, device)
+    return model_policy(cfg, model, tokenizer, temperature), tokenizer
+
+
+def composer_policy(cfg: Config, model_path: str | None, composer_dir: str | Path,
+                    bank_dir: str | Path, device=None):
+    """(policy, tokenizer, bank) of the "Base + Composer" agent: the base acting with latents of
+    the ``bank.n_ret`` retrieved experiences in its prompt. The caller closes the bank."""
+    from lopd.composer import Composer, ComposerPolicy
+
+    device = _device(cfg, device)
+    model, tokenizer = load_model(cfg, model_path, device)
+    composer = Composer.load(composer_dir, model, tokenizer).eval()
+    engine = make_engine(cfg.rollout, composer.base, tokenizer, cfg.run.precision)
+    bank = open_bank(cfg, bank_dir, device)
+    return ComposerPolicy(engine, composer, bank, sampling(cfg), cfg.bank.n_ret), tokenizer, bank
+
+
+def agent_policy(cfg: Config, agent: str = "model", model_path: str | None = None,
+                 composer: str | Path | None = None, bank: str | Path | None = None, device=None):
+    """(policy, tokenizer, bank or None): the Base + Composer agent when ``composer`` is given
+    (the caller closes the bank), else :func:`make_policy`'s ``agent``."""
+    if composer:
+        return composer_policy(cfg, model_path, composer, bank, device)
+    return (*make_policy(cfg, agent, model_path, device), None)
+
+
+def _device(cfg: Config, device=None):
+    from lopd import runtime
+
+    return device if device is not None else runtime.resolve_device(cfg.run.device)
+
+
+# ----------------------------------------------------------------------------------------------
+# Episode files
+
+
+def write_episodes(path: str | Path, rollouts) -> None:
+    """Every rollout as one JSON line (what ``--episodes`` writes and ``bank add`` reads)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for r in rollouts:
+            f.write(json.dumps(r.to_dict()) + "\n")
+
+
+def read_episodes(path: str | Path) -> list:
+    """Rollouts from a JSONL file written by :func:`write_episodes`; a bad line is named."""
+    from lopd.agent import Rollout
+
+    path = Path(path)
+    rollouts = []
+    with path.open() as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rollouts.append(Rollout.from_dict(json.loads(line)))
+            except (ValueError, TypeError, KeyError) as exc:
+                raise ValueError(f"{path}:{number}: not a rollout record "
+                                 f"({type(exc).__name__}: {exc})") from None
+    return rollouts
+
+
+# ----------------------------------------------------------------------------------------------
+# Held-out evaluation
+
+
+def held_out_tasks(cfg: Config, env) -> tuple[list, list]:
+    """(training tasks, held-out tasks) as ``train.eval_split`` says: the eval split's first
+    ``train.eval_tasks``, or a validation carve-out of the last ``train.eval_tasks`` training tasks
+    (then left out of training)."""
+    train_tasks = env.tasks("train")
+    n = cfg.train.eval_tasks
+    if cfg.train.eval_split == "validation":
+        n = n or 200
+        if n >= len(train_tasks):
+            raise ConfigError(f"train.eval_tasks={n} validation tasks leave no training task of "
+                              f"{len(train_tasks)}")
+        return train_tasks[:-n], train_tasks[-n:]
+    return train_tasks, env.tasks("eval")[: n or None]
+
+
+def run_episodes(cfg: Config, env, tasks: Sequence, policy, tokenizer, progress: bool = True):
+    """Every task's episode under ``policy`` with the config's episode limits."""
+    from lopd.agent import rollout_episodes
+
+    return rollout_episodes(env, list(tasks), policy, tokenizer, cfg.rollout, progress=progress)
+
+
+def evaluate(cfg: Config, env, tasks: Sequence, policy, tokenizer, progress: bool = True):
+    """(summary, rollouts) of ``policy`` on ``tasks``: mean reward, success rate, per domain.
+
+    The one held-out evaluation of lopd: `lopd eval`, the trainer's periodic evaluation, the
+    quickstart and ``compare``'s base row all come through here.
+    """
+    import torch
+
+    from lopd.agent import summarize
+
+    with torch.no_grad():
+        rollouts = run_episodes(cfg, env, tasks, policy, tokenizer, progress)
+    return summarize(rollouts), rollouts
+
+
+def get_env(cfg: Config):
+    """The configured environment. A code environment first checks that model-written code can
+    be isolated here (:func:`lopd.envs.sandbox.check_isolation`), so a machine without bubblewrap
+    is refused at start-up, not at the first answer."""
+    from lopd.envs import get_env as build
+    from lopd.envs import sandbox
+
+    sandbox.allow_unsafe_fallback(cfg.env.unsafe_sandbox_without_bubblewrap)
+    if cfg.env.name in CODE_ENVS:
+        sandbox.check_isolation()
+    return build(cfg.env.name, **cfg.env.kwargs())
+
+
+CODE_ENVS = ("codeworld", "humaneval")
+"""Environments whose answers are programs: their evaluations also report pass@k."""
+
+
+def pass_at_k(rollouts, samples: int) -> dict:
+    """pass@k (unbiased estimator, all tests passing) over tasks sampled ``samples`` times each."""
+    from lopd.envs.codegen import pass_at_k as estimate
+
+    passed: dict[str, list[bool]] = {}
+    for r in rollouts:
+        passed.setdefault(r.task_id, []).append(r.success)
+    ks = [k for k in (1, 5, 10, 100) if k <= samples]
+    return {"samples_per_task": samples, "pass_at_k": {
+        f"pass@{k}": sum(estimate(len(v), sum(v), k) for v in passed.values()) / len(passed)
+        for k in ks}}
+
+
+def evaluate_agent(cfg: Config, agent: str = "model", model_path: str | None = None,
+                   split: str = "eval", limit: int = 0, samples: int = 1,
+                   composer: str | None = None, bank: str | None = None,
+                   progress: bool = True) -> tuple[dict, list]:
+    """(summary, rollouts) of an agent on the first ``limit`` tasks (0 = all) of ``split``, each
+    attempted ``samples`` times: ``agent`` (model, oracle, random), or the Base + Composer agent
+    when ``composer`` and ``bank`` are given. Code environments add pass@k."""
+    from lopd import runtime
+
+    device = runtime.setup(cfg.run)
+    model_path = model_path or cfg.model.name_or_path
+    env = get_env(cfg)
+    tasks = env.tasks(split)[: limit or None]
+    policy, tokenizer, opened = agent_policy(cfg, agent, model_path, composer, bank, device)
+    start = time.perf_counter()
+    try:
+        summary, rollouts = evaluate(cfg, env, [t for t in tasks for _ in range(samples)], policy,
+                                     tokenizer, progress)
+    finally:
+        if opened is not None:
+            opened.close()
+    if cfg.env.name in CODE_ENVS:
+        summary.update(pass_at_k(rollouts, samples))
+    summary.update({"agent": "base+composer" if composer else agent, "composer": composer,
+                    "bank": bank, "model": model_path if agent == "model" else None,
+                    "env": cfg.env.name, "split": split, "tasks": len(tasks),
+                    "seconds": round(time.perf_counter() - start, 1)})
+    return summary, rollouts
+
+
+# ----------------------------------------------------------------------------------------------
+# The experience bank
+
+
+def open_bank(cfg: Config, folder: str | Path, device=None):
+    """The bank in ``folder`` with the config's embedding batch size."""
+    from lopd.experience import ExperienceBank
+
+    return ExperienceBank.open(folder, batch_size=cfg.bank.embed_batch_size,
+                               device=_device(cfg, device),
+                               trust_remote_code=cfg.model.trust_remote_code)
