@@ -5,6 +5,7 @@ import shutil
 import pytest
 
 from conftest import cut, snapshot
+from lopd import stages
 from lopd.cli import build_parser, main
 
 SUBCOMMANDS = [[], ["quickstart"], ["config"], ["model"], ["model", "new"], ["model", "info"], ["model", "prepare"],
@@ -103,8 +104,8 @@ def test_quickstart_uses_the_embedded_composer_and_bank(tmp_path, capsys, monkey
     assets = make_lopd_inputs(tmp_path / "assets")
     (assets / "bank" / stages.PROVENANCE_FILE).write_text(json.dumps(
         {"bank_rollouts": 40, "commands": ["lopd bank build --agent oracle --limit 40"]}))
-    monkeypatch.setattr(pipeline, "EMBEDDED_BANK", assets / "bank")
-    monkeypatch.setattr(pipeline, "EMBEDDED_COMPOSER", assets / "composer")
+    monkeypatch.setattr(stages, "EMBEDDED_BANK", assets / "bank")
+    monkeypatch.setattr(stages, "EMBEDDED_COMPOSER", assets / "composer")
     monkeypatch.setattr(pipeline, "build_bank", lambda *a, **k: pytest.fail("built a bank"))
     monkeypatch.setattr(pipeline, "cold_start", lambda *a, **k: pytest.fail("ran a cold start"))
     files = sorted(p.name for p in assets.rglob("*"))
@@ -130,10 +131,9 @@ def test_quickstart_uses_the_embedded_composer_and_bank(tmp_path, capsys, monkey
 
 def test_quickstart_without_the_embedded_assets_says_how_to_get_them(tmp_path, capsys,
                                                                      monkeypatch):
-    from lopd import pipeline
 
-    monkeypatch.setattr(pipeline, "EMBEDDED_BANK", tmp_path / "no-bank")
-    monkeypatch.setattr(pipeline, "EMBEDDED_COMPOSER", tmp_path / "no-composer")
+    monkeypatch.setattr(stages, "EMBEDDED_BANK", tmp_path / "no-bank")
+    monkeypatch.setattr(stages, "EMBEDDED_COMPOSER", tmp_path / "no-composer")
     assert main(["quickstart", "--set", f"run.output_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "--rebuild" in err

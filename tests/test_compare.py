@@ -189,7 +189,7 @@ def test_a_tiny_comparison_runs_and_reuses_finished_runs(tmp_path, monkeypatch):
         scored.append((cfg.env.name, str(model_path), split))
         return real(cfg, agent, model_path, split, *a, **k)
 
-    monkeypatch.setattr(pipeline, "evaluate_agent", spy)
+    monkeypatch.setattr(stages, "evaluate_agent", spy)
     moved = cmp.compare("tiny", sets, ["base", "grpo", "lopd"], 2, out, {"grpo": 3e-4},
                         transfer=["codeworld"])
     students = [str(out / a / f"seed{s}" / "checkpoints" / "step-000002" / "student")
@@ -210,7 +210,7 @@ def test_a_tiny_comparison_runs_and_reuses_finished_runs(tmp_path, monkeypatch):
     cmp.compare("tiny", sets, ["base", "grpo", "lopd"], 2, out, {"grpo": 3e-4},
                 transfer=["codeworld"])
     assert scored == [("codeworld", students[0], "eval")]
-    monkeypatch.setattr(pipeline, "evaluate_agent", lambda *a, **k: pytest.fail("cached"))
+    monkeypatch.setattr(stages, "evaluate_agent", lambda *a, **k: pytest.fail("cached"))
     cmp.compare("tiny", sets, ["base", "grpo", "lopd"], 2, out, {"grpo": 3e-4},
                 transfer=["codeworld"])
     with pytest.raises(ValueError, match="transfer environments nope: choose from"):

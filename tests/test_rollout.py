@@ -148,10 +148,10 @@ def test_generate_keeps_training_mode_and_handles_empty(tiny_model, tiny_tokeniz
 
 
 def test_rollout_engine_vllm_without_vllm_says_how_to_install(monkeypatch):
-    from lopd import pipeline, stages
+    from lopd import stages
     from lopd.config import ConfigError, RolloutConfig
 
-    monkeypatch.setattr(pipeline, "ENGINES", ("transformers",))
+    monkeypatch.setattr(stages, "ENGINES", ("transformers",))
     with pytest.raises(ConfigError, match=r"needs vLLM.*make test-vllm.*\[vllm\]"):
         stages.check_engine(RolloutConfig(engine="vllm"))
     stages.check_engine(RolloutConfig(engine="transformers"))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import junk_and_gold_batch, resume_keeps_the_ema_teacher, scored_length, small_config
-from lopd import losses, models, pipeline, stages, trainer
+from lopd import losses, models, stages, trainer
 from lopd.algorithms import get_algorithm
 from lopd.algorithms.base import micro_batches
 from lopd.algorithms.sdft import DEMONSTRATION_PREFIX
@@ -122,7 +122,7 @@ def test_an_environment_without_oracle_trajectories_fails_at_start_up(tmp_path, 
         env.oracle_splits = ()
         return env
 
-    monkeypatch.setattr(pipeline, "get_env", no_oracles)
+    monkeypatch.setattr(stages, "get_env", no_oracles)
     with pytest.raises(OracleError, match=f"{algo} needs oracle trajectories, but environment "
                                           "toolworld has none"):
         build(tmp_path / "run", algo)
@@ -141,7 +141,7 @@ def test_an_eval_task_among_the_training_tasks_fails_at_start_up(tmp_path, monke
         train, held_out = real(cfg, env)
         return [*train, held_out[0]], held_out
 
-    monkeypatch.setattr(pipeline, "held_out_tasks", leaky)
+    monkeypatch.setattr(stages, "held_out_tasks", leaky)
     with pytest.raises(OracleError, match=r"task toolworld/\w+/eval/00000 is in the eval split"):
         build(tmp_path / "run", algo)
 

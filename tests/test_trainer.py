@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import GRPO_RUN, cut
-from lopd import trainer
+from lopd import stages, trainer
 from lopd.algorithms import get_algorithm
 from lopd.algorithms.base import Algorithm, Updater
 from lopd.config import load_config
@@ -128,10 +128,9 @@ def test_validation_split_is_left_out_of_training(tmp_path, monkeypatch):
 
 
 def test_the_engine_gets_the_students_weights_after_every_update(tmp_path, monkeypatch):
-    from lopd import pipeline
 
     pushed = []
-    monkeypatch.setattr(pipeline, "sync_engine", lambda engine, model: pushed.append(
+    monkeypatch.setattr(stages, "sync_engine", lambda engine, model: pushed.append(
         (engine, {k: v.clone() for k, v in model.state_dict().items()})))
     cfg = load_config("tiny", ["env.train_size=20", "env.eval_size=2", "env.pretrain_size=0",
                                "train.rollouts_per_step=4", "train.eval_tasks=2",
@@ -148,7 +147,7 @@ def test_the_engine_gets_the_students_weights_after_every_update(tmp_path, monke
 def test_the_engine_sleeps_from_the_rollouts_to_the_weight_push(tmp_path, monkeypatch):
     """rollout.vllm_sleep's place in the loop: the engine sleeps after each step's rollouts, the
     update runs, then the push of the new weights wakes it before any further generation."""
-    from lopd import pipeline, stages
+    from lopd import stages
 
     cfg = load_config("tiny", ["env.train_size=20", "env.eval_size=2", "env.pretrain_size=0",
                                "train.rollouts_per_step=4", "train.eval_tasks=2",
@@ -164,7 +163,7 @@ def test_the_engine_sleeps_from_the_rollouts_to_the_weight_push(tmp_path, monkey
     monkeypatch.setattr(t.engine, "generate", record("generate", t.engine.generate))
     monkeypatch.setattr(t.engine, "sleep", record("sleep", t.engine.sleep))
     monkeypatch.setattr(t.algorithm, "step", record("update", t.algorithm.step))
-    monkeypatch.setattr(pipeline, "sync_engine", record("push", stages.sync_engine))
+    monkeypatch.setattr(stages, "sync_engine", record("push", stages.sync_engine))
     t.run()
     runs = [e for i, e in enumerate(events) if i == 0 or e != events[i - 1]]
     assert runs == ["generate", "sleep", "update", "push"] * 2 + ["generate"]

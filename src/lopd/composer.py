@@ -308,7 +308,7 @@ class ComposerPolicy(ModelPolicy):
     """
 
     def __init__(self, engine, composer: Composer, bank, params, n_ret: int):
-        """``engine``: a rollout engine over ``composer.base`` (:func:`lopd.pipeline.make_engine`)."""
+        """``engine``: a rollout engine over ``composer.base`` (:func:`lopd.stages.make_engine`)."""
         super().__init__(engine, composer.tokenizer, params)
         self.composer, self.bank, self.n_ret = composer, bank, n_ret
         self.fmt = ReferenceFormat.for_tokenizer(composer.tokenizer)

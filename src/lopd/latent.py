@@ -55,7 +55,7 @@ def user_header(tokenizer) -> tuple[int, ...]:
     they occur in the agent loop's rollouts (``<|im_start|>user\\n`` in ChatML).
 
     Derived, not assumed: the conversation [system, user] is rendered to ids through
-    :func:`lopd.models.render` (the agent's path) for several system and user texts. The tokens
+    :func:`lopd.chat.render` (the agent's path) for several system and user texts. The tokens
     every user text shares are the ones before its content — a header token that merges with the
     content's first characters differs between them and is left out, so the header never depends on
     what the user wrote. The header is the shortest run of those tokens that is the same after
@@ -218,7 +218,7 @@ class TextPlacement:
 def _text_ids(tokenizer, texts: Sequence[str]) -> tuple[int, ...]:
     """``texts`` joined by line breaks, as plain text: traces quote tool output and the model's
     own text (a turn's decoded special tokens among it), which must not become a chat turn or a
-    latent slot in the teacher's sequence (:func:`lopd.models.quote_special_tokens`)."""
+    latent slot in the teacher's sequence (:func:`lopd.chat.quote_special_tokens`)."""
     return tuple(tokenizer.encode(quote_special_tokens("\n".join(texts), tokenizer),
                                   add_special_tokens=False))
 

@@ -15,20 +15,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from lopd import chat
+from lopd import chat, stages
 from lopd.config import Config, ConfigError
-from lopd.stages import (
-    get_env,
-    held_out_tasks,
-    load_model,
-    make_engine,
-    make_policy,
-    model_policy,
-    open_bank,
-    read_episodes,
-    run_episodes,
-    write_episodes,
-)
 
 
 def build_and_save(cfg: Config, corpus: list[str], out: str | Path) -> dict:
@@ -169,9 +157,9 @@ def build_bank(cfg: Config, out: str | Path, model_path: str | None = None, agen
     seeds = [cfg.run.seed] if seeds is None else list(seeds)
     device = runtime.setup(cfg.run)
     model_path = model_path or cfg.model.name_or_path
-    env = get_env(cfg)
+    env = stages.get_env(cfg)
     # Validation tasks carved out of the training split (train.eval_split) never enter the bank.
-    tasks = held_out_tasks(cfg, env)[0][: limit or None]
+    tasks = stages.held_out_tasks(cfg, env)[0][: limit or None]
     # The bank is opened (or created) first, so a wrong folder fails before minutes of rollouts.
     spec = spec_from_config(cfg.bank, model_path)
     bank = ExperienceBank.open_or_create(
@@ -187,20 +175,20 @@ def build_bank(cfg: Config, out: str | Path, model_path: str | None = None, agen
     with bank:
         before = len(bank)
         if agent == "model":
-            model, tokenizer = load_model(cfg, model_path, device)
-            engine = make_engine(cfg.rollout, model, tokenizer, cfg.run.precision)
-            policies = [model_policy(cfg, model, tokenizer, cfg.rollout.temperature, seed, engine)
-                        for seed in seeds]
+            model, tokenizer = stages.load_model(cfg, model_path, device)
+            engine = stages.make_engine(cfg.rollout, model, tokenizer, cfg.run.precision)
+            policies = [stages.model_policy(cfg, model, tokenizer, cfg.rollout.temperature, seed,
+                                            engine) for seed in seeds]
         else:
-            policy, tokenizer = make_policy(cfg, "oracle", model_path, device)
+            policy, tokenizer = stages.make_policy(cfg, "oracle", model_path, device)
             policies = [policy] * len(seeds)
         source = "oracle" if agent == "oracle" else f"model:{model_path}"
         start = time.perf_counter()
         rollouts = [r for policy in policies
-                    for r in run_episodes(cfg, env, tasks, policy, tokenizer, progress)]
+                    for r in stages.run_episodes(cfg, env, tasks, policy, tokenizer, progress)]
         rollout_seconds = time.perf_counter() - start
         if episodes:
-            write_episodes(episodes, rollouts)
+            stages.write_episodes(episodes, rollouts)
         start = time.perf_counter()
         result = bank.add_rollouts(rollouts, {t.task_id: t for t in tasks}, source)
         if agent == "model":
@@ -237,11 +225,11 @@ def add_to_bank(cfg: Config, bank_dir: str | Path, rollouts_path: str | Path,
     path = Path(rollouts_path)
     if not path.is_file():
         raise FileNotFoundError(f"no rollouts file {path}")
-    rollouts = read_episodes(path)
-    env = get_env(cfg)
+    rollouts = stages.read_episodes(path)
+    env = stages.get_env(cfg)
     # Eval tasks are looked up too, so that the bank itself refuses them by name and split.
     tasks = {t.task_id: t for split in ("eval", "train") for t in env.tasks(split)}
-    with open_bank(cfg, bank_dir, device) as bank:
+    with stages.open_bank(cfg, bank_dir, device) as bank:
         result = bank.add_rollouts(rollouts, tasks, source=source or str(path))
         bank.charge(len(rollouts))
         return {"bank": str(bank_dir), "rollouts": len(rollouts), **result.counts(),
@@ -275,16 +263,16 @@ def cold_start(cfg: Config, bank_dir: str | Path, out: str | Path, model_path: s
     model_path = model_path or cfg.model.name_or_path
     out = Path(out)
     n_ret = cfg.bank.n_ret
-    env = get_env(cfg)
+    env = stages.get_env(cfg)
     train_tasks = env.tasks("train")
     n_val = cfg.cold_start.validation_tasks
     if n_val >= len(train_tasks):
         raise ConfigError(f"cold_start.validation_tasks={n_val} leaves no training task of "
                           f"{len(train_tasks)}")
     validation = train_tasks[len(train_tasks) - n_val:] if n_val else []
-    model, tokenizer = load_model(cfg, model_path, device)
+    model, tokenizer = stages.load_model(cfg, model_path, device)
     with tempfile.TemporaryDirectory(prefix="lopd-cold-start-") as tmp, \
-            open_bank(cfg, bank_dir, device) as source:
+            stages.open_bank(cfg, bank_dir, device) as source:
         # The user's bank is never changed: the carve-out is withheld from a copy, opened with
         # the embedder already loaded.
         bank = ExperienceBank.open(source.snapshot(Path(tmp) / "bank"),
@@ -315,9 +303,9 @@ def _fit_composer(cfg: Config, bank, bank_dir, out: Path, model, tokenizer, env,
     if validation:
         # Sampled like the bank's own rollouts (rollout.temperature), not greedy: greedy
         # successes are the base's most confident paths and leave a reference nothing to add.
-        policy = model_policy(cfg, model, tokenizer, cfg.rollout.temperature)
+        policy = stages.model_policy(cfg, model, tokenizer, cfg.rollout.temperature)
         attempts = [t for t in validation for _ in range(cfg.cold_start.validation_samples)]
-        held_out = [r for r in run_episodes(cfg, env, attempts, policy, tokenizer, progress)
+        held_out = [r for r in stages.run_episodes(cfg, env, attempts, policy, tokenizer, progress)
                     if r.success]
     coded = {t.task_id for t in validation if "code" in t.meta}
     seed = cfg.run.seed

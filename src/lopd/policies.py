@@ -42,7 +42,7 @@ class Policy(ABC):
     @abstractmethod
     def act(self, contexts: list[TurnContext], max_new_tokens: int, tokenizer) -> list[Generation]:
         """One generation per context, in order. Generated ids end with the end-of-turn token
-        (:func:`lopd.models.turn_end_token`) when the turn was closed."""
+        (:func:`lopd.chat.turn_end_token`) when the turn was closed."""
 
     def release(self) -> None:
         """The episodes are over: drop what was kept for them between turns (KV caches)."""

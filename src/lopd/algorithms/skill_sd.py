@@ -154,7 +154,7 @@ def _value(value) -> str:
 
 def skill_summary(trace: str) -> str:
     """A skill: the structured summary of a successful episode's compact trace
-    (:func:`lopd.agent.compact_trace`) — the workflow (tool sequence), the key values (every
+    (:func:`lopd.envs.environment.compact_trace`) — the workflow (tool sequence), the key values (every
     argument value, once, in order of use), the calls that failed on the way with their error,
     and the final answer (a code answer whole). Pure: the same trace gives the same skill."""
     workflow, values, failed, answer = [], [], [], None

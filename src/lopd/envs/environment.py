@@ -60,7 +60,7 @@ class StepResult:
     """Content of the tool message returned to the agent; None once the episode is done. It may
     quote the model's arguments verbatim: the agent loop escapes control characters and lone
     surrogates before it reaches the chat (:func:`lopd.chat.chat_safe`), and breaks the text of
-    special tokens so that it tokenizes as text (:func:`lopd.models.quote_special_tokens`)."""
+    special tokens so that it tokenizes as text (:func:`lopd.chat.quote_special_tokens`)."""
     reward: float
     """0.0 until the episode is done; then the verifier's reward."""
     done: bool

@@ -10,10 +10,10 @@ finished (``fresh`` redoes everything):
 3. harness check: the oracle replays the gold solution of every held-out task;
 4. the base model on the held-out tasks (greedy);
 5. the experience bank — by default a copy of the one shipped in the package
-   (:data:`lopd.pipeline.EMBEDDED_BANK`, never written to); with ``rebuild`` a new one from two
+   (:data:`lopd.stages.EMBEDDED_BANK`, never written to); with ``rebuild`` a new one from two
    sampling passes of the base (seeds ``run.seed`` and ``run.seed + 1``) over the training tasks;
 6. the cold-started composer — by default the one shipped in the package
-   (:data:`lopd.pipeline.EMBEDDED_COMPOSER`); with ``rebuild`` a full cold start on the new bank
+   (:data:`lopd.stages.EMBEDDED_COMPOSER`); with ``rebuild`` a full cold start on the new bank
    with the config's ``cold_start`` section (no eval-split measurement);
 7. LOPD for ``lopd_steps`` steps, evaluated midway and at the end (resumed if interrupted);
 8. ``report.md`` and ``summary.json``: base vs. LOPD on the held-out tasks, the training rollouts
