@@ -3,6 +3,10 @@
 Commands that measure something print a table and, with ``--json PATH``, write the same figures.
 The options every command shares (``--config``/``--set``, ``--json``, the LOPD inputs) are
 declared once, in :mod:`lopd.cli.common`.
+
+Each command imports what it runs inside its handler: parsing ``lopd --help`` or a config command
+then loads neither torch nor the models (these imports point downwards, as every import in lopd
+does; docs/layout.md).
 """
 
 from __future__ import annotations
