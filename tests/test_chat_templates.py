@@ -29,7 +29,7 @@ from transformers import (
 )
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from lopd import agent, chat, latent, models, policies, trainer
+from lopd import agent, chat, latent, models, pipeline, policies, trainer
 from lopd.cli import main
 from lopd.composer import Composer, ComposerPolicy
 from lopd.config import ComposerConfig
@@ -547,3 +547,84 @@ def test_the_embedded_tokenizer_takes_the_template_shortcuts_exactly(monkeypatch
                                             lambda: policies.RandomPolicy(seed=5))
     assert [r.input_ids for r in fast] == [r.input_ids for r in full]
     assert forms and None not in forms.values()
+
+
+# ----------------------------------------------------------------------------------------------
+# Models whose own template has no tools: a tool template lopd ships, applied only when asked
+
+# ChatML that renders every message's content and nothing else (no tools), as many small chat
+# models' templates do.
+CHATML_WITHOUT_TOOLS = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+
+
+@pytest.fixture(scope="module")
+def toolless(tmp_path_factory):
+    """A ChatML model folder whose template drops the tools."""
+    fam = FAMILIES["chatml"]
+    root = tmp_path_factory.mktemp("toolless")
+    tokenizer = family_tokenizer(fam)
+    tokenizer.chat_template = CHATML_WITHOUT_TOOLS
+    models.save_model(family_model(fam, tokenizer), tokenizer, root / "source")
+    return root
+
+
+def test_a_template_without_tools_is_refused_naming_the_option(toolless, capsys):
+    capsys.readouterr()
+    out = toolless / "refused"
+    assert main(["model", "prepare", str(toolless / "source"), "--out", str(out)]) == 2
+    (error,) = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert "the chat template (the model's own) does not do what lopd needs" in error
+    assert "system message with tools: missing 'get_order'" in error
+    assert "--chat-template NAME_OR_FILE (lopd ships chatml-tools" in error
+    assert not out.exists()
+
+
+def test_the_shipped_tool_template_is_applied_when_asked_and_recorded(toolless, capsys):
+    out = toolless / "prepared"
+    assert main(["model", "prepare", str(toolless / "source"), "--out", str(out),
+                 "--chat-template", "chatml-tools"]) == 0
+    assert json.loads((out / pipeline.PREPARED_FILE).read_text())["chat_template"] == \
+        "chatml-tools (lopd)"
+    capsys.readouterr()
+    assert main(["model", "info", str(out)]) == 0
+    shown = capsys.readouterr().out
+    assert "chatml-tools (lopd)" in shown and "chat_template_checks" in shown
+    assert pipeline.model_info(toolless / "source")["chat_template_source"].startswith(
+        "the model's own")
+
+    tokenizer = models.load_tokenizer(out)
+    assert tokenizer.chat_template == chat.TOOL_TEMPLATES["chatml-tools"]
+    call = chat.ToolCall("get_order", {"order_id": "O1"})
+    messages = [{"role": "system", "content": "Be an agent."},
+                {"role": "user", "content": "Where is O1?"},
+                {"role": "assistant", "content": call.to_text()},
+                {"role": "tool", "content": '{"status": "shipped"}'}]
+    text = chat.render(tokenizer, messages, chat.PROBE_TOOLS, tokenize=False)
+    # Tools as JSON in the system message, the call in the assistant's turn, the result in its own.
+    system = text.split("<|im_end|>")[0]
+    assert system.startswith("<|im_start|>system\nBe an agent.") and '"name": "get_order"' in system
+    assert f"<|im_start|>assistant\n{call.to_text()}<|im_end|>" in text
+    assert '<|im_start|>tool\n{"status": "shipped"}<|im_end|>' in text
+    assert chat.parse_action(call.to_text(), chat.PROBE_TOOLS) == call
+    # The reference block goes where it goes in every ChatML template: after the user header.
+    assert tokenizer.decode(latent.user_header(tokenizer)) == "<|im_start|>user\n"
+    assert all(c["ok"] for c in agent.check_chat_template(tokenizer) if c["required"])
+
+
+def test_a_template_file_is_taken_and_a_wrong_name_refused(toolless, tmp_path, capsys):
+    template = tmp_path / "tools.jinja"
+    template.write_text(chat.TOOL_TEMPLATES["chatml-tools"])
+    assert main(["model", "prepare", str(toolless / "source"), "--out", str(tmp_path / "out"),
+                 "--chat-template", str(template)]) == 0
+    assert json.loads((tmp_path / "out" / pipeline.PREPARED_FILE).read_text())[
+        "chat_template"] == f"file {template.resolve()}"
+    capsys.readouterr()
+    assert main(["model", "prepare", str(toolless / "source"), "--out", str(tmp_path / "no"),
+                 "--chat-template", "chatml-tool"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.endswith("--chat-template 'chatml-tool' is neither a template lopd ships "
+                          "(chatml-tools) nor a file") and "\n" not in error
+    assert not (tmp_path / "no").exists()

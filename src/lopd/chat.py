@@ -21,6 +21,7 @@ import json
 import re
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 PAD_TOKEN = "<|endoftext|>"
@@ -71,6 +72,42 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
 )
+
+
+# Tool templates lopd ships for tokenizers whose own template has no tools (many small and older
+# chat models). One is applied only when asked (`lopd model prepare --chat-template NAME`), never
+# silently: it changes the text the model sees, so the choice is the user's and is recorded.
+TOOL_TEMPLATES = {
+    # ChatML (<|im_start|>role\n...<|im_end|>): the tools' JSON schemas in the system message, a
+    # call as <tool_call>{json}</tool_call> in the assistant's text, each result in a turn of its
+    # own (role "tool").
+    "chatml-tools": (
+        "{%- if messages[0].role == 'system' or tools -%}{{- '<|im_start|>system\\n' -}}"
+        "{%- if messages[0].role == 'system' -%}{{- messages[0].content -}}{%- endif -%}"
+        "{%- if tools -%}{%- if messages[0].role == 'system' -%}{{- '\\n\\n' -}}{%- endif -%}"
+        "{{- 'Tools you can call, as JSON schemas:\\n<tools>' -}}"
+        "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
+        "{{- '\\n</tools>\\nTo call one, write <tool_call>{\"name\": NAME, \"arguments\": "
+        "{...}}</tool_call>; its result comes back in a tool turn.' -}}{%- endif -%}"
+        "{{- '<|im_end|>\\n' -}}{%- endif -%}"
+        "{%- for message in messages -%}{%- if not (loop.first and message.role == 'system') -%}"
+        "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' -}}"
+        "{%- endif -%}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"),
+}
+"""name -> Jinja chat template, for ``lopd model prepare --chat-template NAME``."""
+
+
+def tool_template(name_or_file: str) -> tuple[str, str]:
+    """(template text, what it is) for a name in :data:`TOOL_TEMPLATES` or a Jinja file's path;
+    ``ValueError`` naming both choices otherwise."""
+    if name_or_file in TOOL_TEMPLATES:
+        return TOOL_TEMPLATES[name_or_file], f"{name_or_file} (lopd)"
+    path = Path(name_or_file)
+    if path.is_file():
+        return path.read_text(), f"file {path.resolve()}"
+    raise ValueError(f"--chat-template {name_or_file!r} is neither a template lopd ships "
+                     f"({', '.join(sorted(TOOL_TEMPLATES))}) nor a file")
 
 
 def render_chat(messages: list[dict], tools: list[dict] | None = None,

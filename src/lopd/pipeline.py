@@ -41,6 +41,14 @@ def build_and_save(cfg: Config, corpus: list[str], out: str | Path) -> dict:
     }
 
 
+def _prepared(path: str | Path) -> dict:
+    """What `lopd model prepare` recorded in a model folder ({} when it did not prepare it)."""
+    from lopd import models
+
+    record = Path(models.resolve_model_path(path)) / PREPARED_FILE
+    return json.loads(record.read_text()) if record.is_file() else {}
+
+
 def model_info(path: str | Path, trust_remote_code: bool = False) -> dict:
     """Facts about a saved model folder, as printed by ``lopd model info``: shape, vocabulary,
     whether ``<|latent|>`` is there, and the verdict of :func:`lopd.agent.check_chat_template`."""
@@ -69,6 +77,8 @@ def model_info(path: str | Path, trust_remote_code: bool = False) -> dict:
         "special_tokens": list(tokenizer.all_special_tokens),
         "latent_token": chat.LATENT_TOKEN if chat.LATENT_TOKEN in tokenizer.get_vocab() else None,
         "chat_template": tokenizer.chat_template is not None,
+        "chat_template_source": _prepared(path).get("chat_template", "the model's own (not "
+                                                    "prepared by lopd)"),
         "turn_end_token": turn_end,
         "stops_at_turn_end": (turn_end is not None
                               and tokenizer.convert_tokens_to_ids(turn_end) in stops),
@@ -77,15 +87,23 @@ def model_info(path: str | Path, trust_remote_code: bool = False) -> dict:
     }
 
 
-def prepare_model(cfg: Config, source: str | Path, out: str | Path) -> dict:
+PREPARED_FILE = "lopd-prepared.json"
+"""What `lopd model prepare` wrote into a folder: its source and which chat template it carries."""
+
+
+def prepare_model(cfg: Config, source: str | Path, out: str | Path,
+                  chat_template: str | None = None) -> dict:
     """Make any Hugging Face causal LM (a local folder or an embedded name) ready for lopd and
     save it, model and tokenizer, in ``out``: ``<|latent|>`` added when absent (a special token;
     embeddings resized and the new row the mean of the existing ones,
     :func:`lopd.models.add_latent_token`), generation stopping at the template's end-of-turn
     token, and the chat template checked (:func:`lopd.agent.check_chat_template`: system message
     with tools, tool-call turn, tool result, an agent episode, the reference block's place). A
-    failed required check stops before anything is written. ``model.trust_remote_code`` is honoured; the checkpoint keeps its dtype. Returns
-    what was done."""
+    failed required check stops before anything is written. ``model.trust_remote_code`` is
+    honoured; the checkpoint keeps its dtype. ``chat_template``: a template lopd ships
+    (:data:`lopd.chat.TOOL_TEMPLATES`, e.g. ``chatml-tools`` for ChatML tokenizers without tools)
+    or a Jinja file, installed in place of the tokenizer's own, only when given; the folder records
+    which template it carries (:data:`PREPARED_FILE`). Returns what was done."""
     from transformers import AutoModelForCausalLM
 
     from lopd import agent, models, runtime
@@ -98,6 +116,9 @@ def prepare_model(cfg: Config, source: str | Path, out: str | Path) -> dict:
         raise ValueError(f"--out {out} is the source folder; write the prepared model elsewhere")
     trust = cfg.model.trust_remote_code
     tokenizer = models.load_tokenizer(path, trust_remote_code=trust)
+    template = "the model's own"
+    if chat_template is not None:
+        tokenizer.chat_template, template = chat.tool_template(chat_template)
     # dtype "auto": the checkpoint's own (a bf16 model is not saved back as fp32, twice the size).
     model = AutoModelForCausalLM.from_pretrained(path, dtype="auto", trust_remote_code=trust)
     vocab, rows = len(tokenizer), model.get_input_embeddings().num_embeddings
@@ -105,11 +126,16 @@ def prepare_model(cfg: Config, source: str | Path, out: str | Path) -> dict:
     checks = agent.check_chat_template(tokenizer)
     failed = [c for c in checks if c["required"] and not c["ok"]]
     if failed:
-        raise ValueError(f"{source}: the chat template does not do what lopd needs: " + "; ".join(
-            f"{c['check']}: {c['detail']}" for c in failed) + " (fix the tokenizer's chat template "
-            "and prepare again; nothing was written)")
+        remedy = ("give one that does with --chat-template NAME_OR_FILE (lopd ships "
+                  f"{', '.join(sorted(chat.TOOL_TEMPLATES))} for ChatML tokenizers) or fix the "
+                  "tokenizer's own" if chat_template is None else "fix that template")
+        raise ValueError(f"{source}: the chat template ({template}) does not do what lopd needs: "
+                         + "; ".join(f"{c['check']}: {c['detail']}" for c in failed)
+                         + f" ({remedy}, and prepare again; nothing was written)")
     turn_end = models.add_turn_end_stop(model, tokenizer)
     models.save_model(model, tokenizer, out)
+    (out / PREPARED_FILE).write_text(json.dumps({"source": str(path), "chat_template": template},
+                                                indent=1) + "\n")
     head = model.get_output_embeddings()
     eos = model.generation_config.eos_token_id
     return {
@@ -121,6 +147,7 @@ def prepare_model(cfg: Config, source: str | Path, out: str | Path) -> dict:
         "vocab_size": f"{vocab} -> {len(tokenizer)}",
         "embedding_rows": f"{rows} -> {model.get_input_embeddings().num_embeddings}",
         "tied_embeddings": head is not None and head.weight is model.get_input_embeddings().weight,
+        "chat_template": template,
         "turn_end_token": f"{chat.turn_end_token(tokenizer)} (id {turn_end})",
         "stop_token_ids": sorted({*([eos] if isinstance(eos, int) else eos or []),
                                   *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None
