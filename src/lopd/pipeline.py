@@ -10,6 +10,7 @@ CLI starts without them.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
 from collections.abc import Sequence
@@ -91,8 +92,50 @@ PREPARED_FILE = "lopd-prepared.json"
 """What `lopd model prepare` wrote into a folder: its source and which chat template it carries."""
 
 
+DTYPES = ("auto", "float32", "bfloat16")
+"""``lopd model prepare --dtype``: the checkpoint's own (float32 for a GGUF file), or one of these."""
+
+
+def gguf_file(source: str | Path) -> tuple[Path, str] | None:
+    """(folder, file name) when ``source`` is a GGUF file or a folder holding one and no Hugging
+    Face model; None for anything else. A folder with several GGUF files is refused, naming them."""
+    path = Path(source)
+    if path.is_file() and path.suffix == ".gguf":
+        return path.parent, path.name
+    if not path.is_dir() or (path / "config.json").exists():
+        return None
+    found = sorted(p.name for p in path.glob("*.gguf"))
+    if len(found) > 1:
+        raise ValueError(f"{source} holds {len(found)} GGUF files ({', '.join(found)}); name the "
+                         "one to prepare")
+    return (path, found[0]) if found else None
+
+
+def _load_gguf(folder: Path, name: str, dtype):
+    """(model, tokenizer) of a GGUF file, dequantised to ``dtype``: transformers reads it (the
+    ``gguf`` package, ``pip install lopd[gguf]``) into a model flagged as quantised, which it will
+    not save, so the weights are moved into a plain model built from the same config."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if importlib.util.find_spec("gguf") is None:  # said here, before transformers says less
+        raise ValueError("reading a GGUF file needs the gguf package: pip install 'lopd[gguf]' "
+                         "(`make` installs it)")
+    from lopd import models
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    with models.quiet_progress():
+        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    config.__dict__.pop("quantization_config", None)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.load_state_dict(loaded.state_dict())
+    model.tie_weights()
+    model.generation_config = loaded.generation_config
+    return model.eval(), tokenizer
+
+
 def prepare_model(cfg: Config, source: str | Path, out: str | Path,
-                  chat_template: str | None = None) -> dict:
+                  chat_template: str | None = None, dtype: str = "auto") -> dict:
     """Make any Hugging Face causal LM (a local folder or an embedded name) ready for lopd and
     save it, model and tokenizer, in ``out``: ``<|latent|>`` added when absent (a special token;
     embeddings resized and the new row the mean of the existing ones,
@@ -103,24 +146,38 @@ def prepare_model(cfg: Config, source: str | Path, out: str | Path,
     honoured; the checkpoint keeps its dtype. ``chat_template``: a template lopd ships
     (:data:`lopd.chat.TOOL_TEMPLATES`, e.g. ``chatml-tools`` for ChatML tokenizers without tools)
     or a Jinja file, installed in place of the tokenizer's own, only when given; the folder records
-    which template it carries (:data:`PREPARED_FILE`). Returns what was done."""
+    which template it carries (:data:`PREPARED_FILE`). ``source`` may be a GGUF file (or a folder
+    holding one): its weights are dequantised to ``dtype`` (float32 under "auto") and written as a
+    plain Hugging Face folder with its tokenizer. Returns what was done."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     from lopd import agent, models, runtime
     from lopd.latent import user_header
 
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     runtime.setup(cfg.run)
-    path = models.resolve_model_path(source)
+    gguf = gguf_file(source)
+    path = str(Path(*gguf)) if gguf else models.resolve_model_path(source)
     out = Path(out)
-    if Path(path).exists() and out.resolve() == Path(path).resolve():
-        raise ValueError(f"--out {out} is the source folder; write the prepared model elsewhere")
+    if Path(path).exists() and out.resolve() in (Path(path).resolve(),
+                                                 Path(path).resolve().parent):
+        raise ValueError(f"--out {out} is the source's folder; write the prepared model elsewhere")
     trust = cfg.model.trust_remote_code
-    tokenizer = models.load_tokenizer(path, trust_remote_code=trust)
     template = "the model's own"
     if chat_template is not None:
-        tokenizer.chat_template, template = chat.tool_template(chat_template)
+        template_text, template = chat.tool_template(chat_template)
     # dtype "auto": the checkpoint's own (a bf16 model is not saved back as fp32, twice the size).
-    model = AutoModelForCausalLM.from_pretrained(path, dtype="auto", trust_remote_code=trust)
+    torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
+    if gguf:
+        model, tokenizer = _load_gguf(*gguf, torch.float32 if dtype == "auto" else torch_dtype)
+    else:
+        tokenizer = models.load_tokenizer(path, trust_remote_code=trust)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype,
+                                                     trust_remote_code=trust)
+    if chat_template is not None:
+        tokenizer.chat_template = template_text
     vocab, rows = len(tokenizer), model.get_input_embeddings().num_embeddings
     added = models.add_latent_token(model, tokenizer)
     checks = agent.check_chat_template(tokenizer)
@@ -134,8 +191,8 @@ def prepare_model(cfg: Config, source: str | Path, out: str | Path,
                          + f" ({remedy}, and prepare again; nothing was written)")
     turn_end = models.add_turn_end_stop(model, tokenizer)
     models.save_model(model, tokenizer, out)
-    (out / PREPARED_FILE).write_text(json.dumps({"source": str(path), "chat_template": template},
-                                                indent=1) + "\n")
+    (out / PREPARED_FILE).write_text(json.dumps({"source": str(path), "chat_template": template,
+                                                 "gguf": bool(gguf)}, indent=1) + "\n")
     head = model.get_output_embeddings()
     eos = model.generation_config.eos_token_id
     return {

@@ -28,7 +28,8 @@ def cmd_model_new(args) -> int:
 def cmd_model_prepare(args) -> int:
     from lopd import pipeline
 
-    figures = pipeline.prepare_model(load(args), args.source, args.out, args.chat_template)
+    figures = pipeline.prepare_model(load(args), args.source, args.out, args.chat_template,
+                                     args.dtype)
     print(key_value_table({k: v for k, v in figures.items() if k != "checks"},
                           title=f"prepared {figures['source']} -> {figures['out']}"))
     print()
@@ -94,13 +95,17 @@ def register(sub) -> None:
                     "that the template renders a system message with tools, a tool-call turn, a "
                     "tool result and the reference block, and write the model and tokenizer to "
                     "--out. Nothing is written when a check fails.")
-    p.add_argument("source", help="Hugging Face model folder (or an embedded model name)")
+    p.add_argument("source", help="Hugging Face model folder, a GGUF file (or a folder holding "
+                   "one; dequantised and written as a plain folder), or an embedded model name")
     p.add_argument("--out", required=True, help="folder to write the prepared model to")
     p.add_argument("--chat-template", metavar="NAME_OR_FILE",
                    help="install this chat template instead of the tokenizer's own: a template "
                    "lopd ships (chatml-tools: ChatML with tools as JSON in the system message, "
                    "calls as <tool_call>{json}</tool_call>, results in a tool turn) or a Jinja "
                    "file; for models whose own template has no tools. The folder records it.")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="weights of the prepared model: the checkpoint's own (auto; float32 for a "
+                   "GGUF file), or converted")
 
     p = add_command(msub, "info", cmd_model_info,
                     "parameters, vocabulary, <|latent|>, chat-template checks of a model folder",
