@@ -125,9 +125,8 @@ def _load_gguf(folder: Path, name: str, dtype):
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     with models.quiet_progress():
         loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    config.__dict__.pop("quantization_config", None)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, gguf_file=name),
+                                             dtype=dtype)
     model.load_state_dict(loaded.state_dict())
     model.tie_weights()
     model.generation_config = loaded.generation_config
@@ -161,9 +160,9 @@ def prepare_model(cfg: Config, source: str | Path, out: str | Path,
     gguf = gguf_file(source)
     path = str(Path(*gguf)) if gguf else models.resolve_model_path(source)
     out = Path(out)
-    if Path(path).exists() and out.resolve() in (Path(path).resolve(),
-                                                 Path(path).resolve().parent):
-        raise ValueError(f"--out {out} is the source's folder; write the prepared model elsewhere")
+    folder = gguf[0] if gguf else Path(path)
+    if folder.exists() and out.resolve() == folder.resolve():
+        raise ValueError(f"--out {out} is the source folder; write the prepared model elsewhere")
     trust = cfg.model.trust_remote_code
     template = "the model's own"
     if chat_template is not None:

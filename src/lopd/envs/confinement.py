@@ -379,12 +379,11 @@ class Calls(_Protocol):
         return len(record) == 2 and ("value" in record or type(record.get("error")) is str)
 
     def deadline(self) -> float:
-        if not self.ready:
-            return min(self.end, self.started + START_SECONDS + self.limit)
         if self.running is None:
-            # Between calls the harness only resets builtins and writes: a child that stalls
-            # there is killed as if it were still in the last call.
-            return min(self.end, self.started + self.limit + START_SECONDS)
+            # Before the ready record: starting and loading the program. Between calls the
+            # harness only resets builtins and writes, so a child that stalls there is given no
+            # more than that.
+            return min(self.end, self.started + START_SECONDS + self.limit)
         return min(self.end, self.started + self.limit)
 
 

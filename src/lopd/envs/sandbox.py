@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -174,7 +173,6 @@ def _value(result: dict) -> tuple[str, str, str]:
 
 
 _RECORDINGS: dict[tuple[str, str, str], tuple[dict, ...]] = {}
-_RECORDING_LOCK = threading.Lock()
 
 
 def _recording_key(test: dict) -> tuple[str, str, str]:
@@ -220,8 +218,7 @@ def record_checks(tests: list[dict], limits: Limits | None = None, progress: boo
     failed = []
     for test, record, status in (item for group in done for item in group):
         if record and record.get("passed") is True and type(record.get("calls")) is list:
-            with _RECORDING_LOCK:
-                _RECORDINGS[_recording_key(test)] = tuple(record["calls"])
+            _RECORDINGS[_recording_key(test)] = tuple(record["calls"])
         else:
             why = (record or {}).get("error") or ("timeout" if status == "completed" else status)
             failed.append(f"{test['entry_point']} ({str(why)[:40]})")
@@ -261,13 +258,13 @@ def run(program: str, tests: list[dict], limits: Limits | None = None) -> Report
             calls += [{"fn": test["entry_point"], **c} for c in recorded]
             recordings.append(recorded)
     kind = check_isolation()
-    results, status, reason, network, output, truncated, exit_code, seconds, restarts = \
-        _run_calls(program, calls, limits)
+    results, report = _run_calls(program, calls, limits)
+    report.meta["isolation"] = kind
     if kind == "bubblewrap":
-        network = "isolated"  # bubblewrap's own network namespace, whatever the child says
-    else:
-        network = network if network in ("isolated", "shared") else "unknown"
-    outcomes = []
+        report.network = "isolated"  # bubblewrap's own network namespace, whatever the child says
+    elif report.network not in ("isolated", "shared"):
+        report.network = "unknown"
+    status, outcomes = report.status, report.outcomes
     for test, (at, n), recorded in zip(tests, spans, recordings):
         values = [_value(r) if r is not None else ("", "", status) for r in results[at:at + n]]
         if "call" in test:
@@ -289,7 +286,7 @@ def run(program: str, tests: list[dict], limits: Limits | None = None) -> Report
         replay = spawn({"mode": "replay", "program": test["reference"], "check": test["check"],
                          "entry_point": test["entry_point"], "calls": recorded,
                          "outputs": outputs}, limits, protocol)
-        seconds += replay.seconds
+        report.seconds += replay.seconds
         record = protocol.record or {}
         passed = record.get("passed") is True
         # A failure the candidate raised says more than the assertion it broke.
@@ -297,19 +294,25 @@ def run(program: str, tests: list[dict], limits: Limits | None = None) -> Report
         error = "" if passed else str(raised[0] if raised else record.get("error")
                                       or replay.status)
         outcomes.append(TestOutcome(passed, error[:120]))
-    meta = {"isolation": kind, **({"reason": reason} if reason else {}),
-            **({"restarts": restarts} if restarts else {})}
-    return Report(status, outcomes, output.decode("utf-8", errors="replace"), truncated,
-                  seconds, network, exit_code, meta)
+    return report
 
 
-def _run_calls(program: str, calls: list[dict], limits: Limits):
+def _run_calls(program: str, calls: list[dict], limits: Limits
+               ) -> tuple[list[dict | None], Report]:
     """Every call's reported result (None where there is none), in as many children as calls the
-    parent had to kill need, within the run's wall clock."""
+    parent had to kill need, within the run's wall clock; and the run's report, its outcomes not
+    yet judged."""
     results: list[dict | None] = [None] * len(calls)
     end = time.monotonic() + limits.wall_seconds
     output, truncated, network, exit_code = b"", False, None, None
     status, reason, seconds, first, restarts = "completed", "", 0.0, 0, 0
+
+    def report() -> tuple[list[dict | None], Report]:
+        meta = {**({"reason": reason} if reason else {}),
+                **({"restarts": restarts} if restarts else {})}
+        return results, Report(status, [], output.decode("utf-8", errors="replace"), truncated,
+                               seconds, network or "unknown", exit_code, meta)
+
     while True:
         protocol = Calls(first, len(calls), limits.test_seconds + GRACE, end)
         child = spawn({"mode": "candidate", "program": program, "calls": calls[first:],
@@ -324,8 +327,8 @@ def _run_calls(program: str, calls: list[dict], limits: Limits):
         if protocol.load_error:
             for i in range(first, len(calls)):
                 results[i] = {"error": protocol.load_error}
-            return results, "completed", "", network, output, truncated, exit_code, seconds, \
-                restarts
+            status, reason = "completed", ""
+            return report()
         status, reason = child.status, child.reason
         overran = (child.status == "timeout" and protocol.running is not None
                    and time.monotonic() < end)
@@ -344,7 +347,7 @@ def _run_calls(program: str, calls: list[dict], limits: Limits):
         # The load ran past its time: every call fails as the load did.
         results = [r or {"error": "load:timeout"} for r in results]
         status = "completed"
-    return results, status, reason, network, output, truncated, exit_code, seconds, restarts
+    return report()
 
 
 def run_many(jobs: list[tuple[str, list[dict]]], limits: Limits | None = None,

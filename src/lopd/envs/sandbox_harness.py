@@ -405,7 +405,7 @@ def main() -> None:
     sys.modules.pop("resource", None)  # in the fallback, the hook refuses to import it again
     setitimer, set_handler, ITIMER_REAL = signal.setitimer, signal.signal, signal.ITIMER_REAL
     call_seconds = float(limits["test_seconds"])
-    write, dumps_json, encode_value = os.write, json.dumps, encode
+    write, dumps_json, dumps_value = os.write, json.dumps, dumps
 
     def on_alarm(signum, frame):
         raise TestTimeout()
@@ -426,12 +426,13 @@ def main() -> None:
             return "timeout"
         return type(exc).__name__ if type(exc).__module__ == "builtins" else "exception"
 
-    def send(record: dict) -> int:
-        data = (dumps_json(record) + "\n").encode()
-        size = len(data)
+    def send_line(text: str) -> None:
+        data = (text + "\n").encode()
         while data:
             data = data[write(out_fd, data):]
-        return size
+
+    def send(record: dict) -> None:
+        send_line(dumps_json(record))
 
     clean_builtins = dict(builtins.__dict__)
     mode = job["mode"]
@@ -467,23 +468,22 @@ def main() -> None:
                 if "expr" in call:
                     code = compile(call["expr"], "<test>", "eval")
                     # Encoding is timed with the call: it runs the program's own generators.
-                    value = timed(lambda: encode_value(eval(code, namespace)))
+                    text = timed(lambda: dumps_value(eval(code, namespace)))
                 else:
                     fn = namespace[call["fn"]]
                     args, kwargs = decode(call["args"]), decode(call["kwargs"])
-                    value = timed(lambda: encode_value(fn(*args, **kwargs)))
-                size = len(dumps_json(value, allow_nan=False))
-                if size > MAX_BYTES:
-                    raise Unencodable("too large")
-                if spent + size > RUN_VALUE_BYTES:
+                    text = timed(lambda: dumps_value(fn(*args, **kwargs)))
+                if spent + len(text) > RUN_VALUE_BYTES:
                     raise Unencodable("over the run's value budget")
-                spent += size
-                result = {"i": i, "value": value}
             except Unencodable as exc:
-                result = {"i": i, "error": f"unencodable:{exc}"}
+                send({"i": i, "error": f"unencodable:{exc}"})
+                continue
             except BaseException as exc:  # noqa: BLE001
-                result = {"i": i, "error": error_name(exc)}
-            send(result)
+                send({"i": i, "error": error_name(exc)})
+                continue
+            spent += len(text)
+            # The value's JSON goes into the record as it is: serialised once.
+            send_line(f'{{"i": {i}, "value": {text}}}')
         builtins.__dict__.clear()
         builtins.__dict__.update(clean_builtins)
     elif mode == "replay":
