@@ -14,8 +14,6 @@ methods shipped with lopd and those of the group by module name on first use.
 from __future__ import annotations
 
 from lopd.config import (
-    BUILTIN_METHODS,
-    ENTRY_POINT_GROUP,
     ConfigError,
     check_method_name,
     load_methods,
@@ -24,11 +22,6 @@ from lopd.config import (
     register_method,
     unregister_method,
 )
-
-BUILTIN = BUILTIN_METHODS
-"""Modules of the methods shipped with lopd; each registers its class on import."""
-
-ENTRY_POINTS = ENTRY_POINT_GROUP
 
 _REGISTRY: dict[str, type] = {}
 
