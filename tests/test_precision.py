@@ -67,13 +67,39 @@ def test_bf16_mixed_moves_every_weight_pure_bf16_does_not(tmp_path):
     assert changed_share(start, pure_params) < 0.5
 
 
-def test_the_cpu_default_stays_float32(tmp_path):
-    cpu = torch.device("cpu")
-    assert runtime.resolve_precision("auto", cpu) == "fp32"
-    assert runtime.resolve_dtype("auto", cpu, "auto") == torch.float32
-    assert runtime.resolve_precision("auto", torch.device("cuda")) == "bf16-mixed"
-    assert runtime.resolve_dtype("auto", torch.device("cuda"), "auto") == torch.bfloat16
-    assert runtime.resolve_dtype("auto", torch.device("cuda"), "fp32") == torch.float32
+def test_the_cpu_bf16_units_are_read_from_the_cpu_flags(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n")
+    assert runtime.cpu_bf16_units(str(info)) == ("AVX-512 BF16", f"flag avx512_bf16 in {info}")
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_bf16 amx_tile amx_bf16\n")
+    assert runtime.cpu_bf16_units(str(info)) == ("AMX-BF16", f"flag amx_bf16 in {info}")
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2\n")
+    assert runtime.cpu_bf16_units(str(info))[0] is None
+    assert runtime.cpu_bf16_units(str(tmp_path / "absent"))[0] is None
+
+
+def test_auto_is_bf16_mixed_on_cuda_and_on_bf16_cpus_for_wide_models_only(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert runtime.resolve_precision("auto", cuda) == "bf16-mixed"
+    assert runtime.resolve_dtype("auto", cuda, "auto") == torch.bfloat16
+    assert runtime.resolve_dtype("auto", cuda, "fp32") == torch.float32
+    assert runtime.resolve_precision("fp32", cuda) == "fp32"
+    monkeypatch.setattr(runtime, "cpu_bf16_units", lambda: ("AMX-BF16", "flag amx_bf16 in X"))
+    precision, why = runtime.choose_precision("auto", cpu, 576)
+    assert precision == "bf16-mixed" and "AMX-BF16" in why and "amx_bf16" in why
+    assert runtime.resolve_dtype("auto", cpu, "auto", 576) == torch.bfloat16
+    assert runtime.resolve_precision("auto", cpu, runtime.CPU_BF16_MIN_HIDDEN - 1) == "fp32"
+    assert runtime.resolve_precision("auto", cpu) == "fp32"          # width unknown
+    monkeypatch.setattr(runtime, "cpu_bf16_units", lambda: (None, "no flag"))
+    precision, why = runtime.choose_precision("auto", cpu, 4096)
+    assert precision == "fp32" and "no bfloat16 matrix unit" in why
+    assert runtime.resolve_precision("bf16-mixed", cpu, 64) == "bf16-mixed"   # asked for: given
+    with pytest.raises(ValueError, match="resolved precision"):
+        runtime.autocast("auto", cpu)
+
+
+def test_the_tiny_model_trains_in_float32_under_auto_even_with_bf16_units(tmp_path, monkeypatch):
+    monkeypatch.setattr(runtime, "cpu_bf16_units", lambda: ("AMX-BF16", "flag amx_bf16 in X"))
     t = grpo_trainer(tmp_path / "run", "auto")
     assert t.precision == "fp32" and t.dtype == torch.float32
 

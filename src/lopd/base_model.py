@@ -307,6 +307,9 @@ def build_base(cfg: Config, out_dir: str | Path, progress: bool = True, resume: 
                                    max_position_embeddings=cfg.model.max_position_embeddings)
     # Trained weights stay float32; bf16-mixed precision runs the forward under autocast.
     model.to(device=device, dtype=torch.float32).train()
+    precision, why = runtime.choose_precision(cfg.run.precision, device, runtime.hidden_size(model))
+    if progress:
+        print(f"precision: {precision} ({why})")
     lengths = data.lengths()
     too_long = sum(n > cfg.model.max_position_embeddings for n in lengths)
     if too_long:
@@ -341,7 +344,7 @@ def build_base(cfg: Config, out_dir: str | Path, progress: bool = True, resume: 
             [data.sequence(i) for i in batches.pop()], tokenizer.pad_token_id).items()}
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, bcfg)
-        with runtime.autocast(cfg.run.precision, device):
+        with runtime.autocast(precision, device):
             loss, n_tokens = action_token_loss(model, batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -171,6 +172,13 @@ def resolve_model_path(name_or_path: str | Path) -> str:
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model folder")
     return str(path)
+
+
+def hidden_size_of(name_or_path: str | Path) -> int | None:
+    """The hidden size a model folder's config.json declares (its text model's, for a model with
+    several), None where it declares none; read without loading the model."""
+    config = json.loads((Path(resolve_model_path(name_or_path)) / "config.json").read_text())
+    return config.get("hidden_size") or (config.get("text_config") or {}).get("hidden_size")
 
 
 @contextlib.contextmanager

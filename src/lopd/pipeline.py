@@ -411,7 +411,8 @@ def _fit_composer(cfg: Config, bank, bank_dir, out: Path, model, tokenizer, env,
     history = cs.cold_start(composer, bank, successes, cfg.cold_start, n_ret, seed=seed,
                             progress=progress,
                             micro_batch_size=cfg.train.per_device_train_batch_size,
-                            precision=runtime.resolve_precision(cfg.run.precision, model.device),
+                            precision=runtime.resolve_precision(cfg.run.precision, model.device,
+                                                                runtime.hidden_size(model)),
                             on_epoch=measure if held_out else None)
     seconds = time.perf_counter() - start
     composer.save(out)

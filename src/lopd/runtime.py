@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -38,25 +39,76 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def resolve_precision(precision: str, device: torch.device) -> str:
-    """``run.precision`` made concrete: 'bf16-mixed' on cuda for 'auto', 'fp32' elsewhere."""
-    if precision == "auto":
-        return "bf16-mixed" if device.type == "cuda" else "fp32"
-    return precision
+# On a CPU, bf16 autocast pays only where the CPU multiplies bfloat16 in hardware, and only for
+# matrices wide enough to fill its tiles: below this hidden size (the 1M-parameter models, hidden
+# 128) the casts around each small matmul cost more than the matmul saves, so `auto` keeps float32.
+CPU_BF16_MIN_HIDDEN = 512
+
+# /proc/cpuinfo flags of the CPU units that multiply bfloat16 matrices, best first.
+CPU_BF16_FLAGS = (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX-512 BF16"))
 
 
-def resolve_dtype(dtype: str, device: torch.device, precision: str = "auto") -> torch.dtype:
+def cpu_bf16_units(cpuinfo: str = "/proc/cpuinfo") -> tuple[str | None, str]:
+    """This CPU's bfloat16 matrix unit ('AMX-BF16', 'AVX-512 BF16' or None) and how that was
+    found out (the flag read from ``cpuinfo``, or why nothing could be read)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return None, f"{cpuinfo} is not readable here"
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
+                  if line.startswith("flags")), [])
+    for flag, name in CPU_BF16_FLAGS:
+        if flag in flags:
+            return name, f"flag {flag} in {cpuinfo}"
+    return None, f"neither {' nor '.join(f for f, _ in CPU_BF16_FLAGS)} in {cpuinfo}"
+
+
+def choose_precision(precision: str, device: torch.device,
+                     hidden_size: int | None = None) -> tuple[str, str]:
+    """``run.precision`` made concrete, with the reason in words. 'auto' is bf16-mixed on cuda,
+    and on a CPU with bfloat16 matrix units (:func:`cpu_bf16_units`) for a model at least
+    :data:`CPU_BF16_MIN_HIDDEN` wide (``hidden_size``; unknown counts as narrow); fp32 elsewhere."""
+    if precision != "auto":
+        return precision, "run.precision"
+    if device.type == "cuda":
+        return "bf16-mixed", "auto: cuda"
+    if device.type != "cpu":
+        return "fp32", f"auto: {device.type}"
+    unit, found = cpu_bf16_units()
+    if unit is None:
+        return "fp32", f"auto: no bfloat16 matrix unit on this CPU ({found})"
+    if hidden_size is None or hidden_size < CPU_BF16_MIN_HIDDEN:
+        width = "unknown" if hidden_size is None else hidden_size
+        return "fp32", (f"auto: this CPU has {unit} ({found}), but the model's hidden size "
+                        f"({width}) is under {CPU_BF16_MIN_HIDDEN}")
+    return "bf16-mixed", f"auto: this CPU has {unit} ({found}); hidden size {hidden_size}"
+
+
+def resolve_precision(precision: str, device: torch.device, hidden_size: int | None = None) -> str:
+    """``run.precision`` made concrete: 'fp32' or 'bf16-mixed' (:func:`choose_precision`)."""
+    return choose_precision(precision, device, hidden_size)[0]
+
+
+def hidden_size(model) -> int | None:
+    """The hidden size of a Hugging Face model (its config's ``hidden_size``), None if it has none."""
+    return getattr(getattr(model, "config", None), "hidden_size", None)
+
+
+def resolve_dtype(dtype: str, device: torch.device, precision: str = "auto",
+                  hidden_size: int | None = None) -> torch.dtype:
     """Storage dtype of frozen and inference-only weights (``run.dtype``)."""
     if dtype == "auto":
-        mixed = resolve_precision(precision, device) == "bf16-mixed"
+        mixed = resolve_precision(precision, device, hidden_size) == "bf16-mixed"
         return torch.bfloat16 if mixed else torch.float32
     return getattr(torch, dtype)
 
 
 def autocast(precision: str, device: torch.device):
-    """The forward-pass context of ``precision``: bfloat16 autocast for 'bf16-mixed' (cuda, or
-    cpu where torch supports it), nothing for 'fp32'."""
-    if resolve_precision(precision, device) == "bf16-mixed":
+    """The forward-pass context of a resolved ``precision``: bfloat16 autocast for 'bf16-mixed'
+    (cuda, or cpu), nothing for 'fp32'."""
+    if precision == "auto":
+        raise ValueError("autocast needs a resolved precision (runtime.resolve_precision)")
+    if precision == "bf16-mixed":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 

@@ -118,7 +118,8 @@ def make_engine(rollout_cfg, model, tokenizer, precision: str = "auto", train: b
         from lopd.rollout.vllm_engine import UPDATE_WEIGHT_COPIES, VLLMEngine, serving_dtype
 
         weights = list(model.parameters())
-        resolved = runtime.resolve_precision(precision, weights[0].device)
+        resolved = runtime.resolve_precision(precision, weights[0].device,
+                                             runtime.hidden_size(model))
         sleep = train and rollout_cfg.vllm_sleep
         trainable = sum(p.numel() * p.element_size() for p in weights if p.requires_grad)
         return VLLMEngine(
@@ -155,8 +156,10 @@ def load_model(cfg: Config, model_path: str | None = None, device=None):
     from lopd import models, runtime
 
     device = device if device is not None else runtime.resolve_device(cfg.run.device)
-    model, tokenizer = models.load_model(model_path or cfg.model.name_or_path, device=device,
-                                         dtype=runtime.resolve_dtype(cfg.run.dtype, device, cfg.run.precision),
+    path = model_path or cfg.model.name_or_path
+    dtype = runtime.resolve_dtype(cfg.run.dtype, device, cfg.run.precision,
+                                  models.hidden_size_of(path))
+    model, tokenizer = models.load_model(path, device=device, dtype=dtype,
                                          trust_remote_code=cfg.model.trust_remote_code)
     return model.eval(), tokenizer
 

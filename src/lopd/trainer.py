@@ -344,9 +344,12 @@ class Trainer:
         world.barrier()
 
         self.device = device
-        self.precision = runtime.resolve_precision(cfg.run.precision, self.device)
-        self.dtype = runtime.resolve_dtype(cfg.run.dtype, self.device, self.precision)
         student, tokenizer = self._load_student(checkpoint)
+        self.precision, why = runtime.choose_precision(cfg.run.precision, self.device,
+                                                       runtime.hidden_size(student))
+        self.dtype = runtime.resolve_dtype(cfg.run.dtype, self.device, self.precision)
+        if world.is_main and self.progress:
+            print(f"precision: {self.precision} ({why})")
         # One wrapped scoring module for the whole run; the optimiser is built on the parameters
         # it leaves (FSDP2 replaces them by sharded ones).
         self.wrapped = distributed.wrap_student(student, world) if world.enabled else None
