@@ -1,5 +1,6 @@
-"""One GRPO step and one LOPD step on a Qwen3-4B-shaped model with random weights, in the GPU
-precision mode, with the time split, peak memory, tokens/s and MFU of the update phases.
+"""One GRPO step and one LOPD step on a Qwen3-4B-shaped model with random weights (or on a
+prepared real model, ``--model DIR``), in the GPU precision mode, with the time split, peak
+memory, tokens/s and MFU of the update phases.
 
 Nothing is downloaded: the model is built from the checkpoint's shape (``lopd.models.REAL_SHAPES``)
 with the embedded toolworld tokenizer, and the batch is toolworld rollouts of the oracle and of a
@@ -7,6 +8,7 @@ random agent (gold and junk, so GRPO's advantages are non-zero), 4 per task. Eac
 ``--steps`` steps on that batch; the figures are the last step's (the first warms up).
 
     python benchmarks/gpu_check.py                                   # a GPU: the full shape
+    python benchmarks/gpu_check.py --model runs/models/smollm2-135m  # real weights (any device)
     python benchmarks/gpu_check.py --width 64 --layers 2 --vocab 4096 --rollouts 8   # CPU, reduced
     .venv-vllm/bin/python benchmarks/gpu_check.py --width 1024 --layers 1 --vocab 4096 \
         --rollouts 8 --engine vllm --precision bf16-mixed       # CPU, vLLM serving bf16
@@ -32,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from lopd import agent, distributed, models, policies, runtime, stages, trainer
 from lopd.algorithms import get_algorithm
@@ -117,22 +120,37 @@ def run(args) -> dict:
     torch.set_num_threads(args.threads)
     # Under torchrun rank 0 writes the inputs, in a folder all ranks read.
     world, device = distributed.init(runtime.resolve_device(args.device), args.parallel)
-    precision = runtime.resolve_precision(args.precision, device)
-    tokenizer = models.load_tokenizer(models.resolve_model_path("toolworld-1m"))
-    reduce = {k: v for k, v in (("width", args.width), ("layers", args.layers),
-                                ("vocab_size", args.vocab)) if v is not None}
     work = [Path(tempfile.mkdtemp(prefix="gpu-check-")) if world.is_main else None]
     if world.enabled:
         torch.distributed.broadcast_object_list(work, src=0)
     work = work[0]
     clock = time.perf_counter()
-    model = models.build_shaped_model(args.architecture, tokenizer, seed=0, **reduce)
-    params = models.count_parameters(model)
-    if world.is_main:
-        models.save_model(model.to(torch.bfloat16 if precision == "bf16-mixed" else torch.float32),
-                          tokenizer, work / "model")
-    del model
+    reduce = {k: v for k, v in (("width", args.width), ("layers", args.layers),
+                                ("vocab_size", args.vocab)) if v is not None}
+    if args.model:
+        # Real weights: the prepared folder is read as it is (the student loads it in float32).
+        model_dir = Path(models.resolve_model_path(args.model))
+        tokenizer = models.load_tokenizer(model_dir)
+        shape = AutoConfig.from_pretrained(model_dir)
+        with torch.device("meta"):
+            params = models.count_parameters(AutoModelForCausalLM.from_config(shape))
+        hidden = shape.hidden_size
+        reduce = {}
+    else:
+        model_dir = work / "model"
+        tokenizer = models.load_tokenizer(models.resolve_model_path("toolworld-1m"))
+        model = models.build_shaped_model(args.architecture, tokenizer, seed=0, **reduce)
+        params, hidden = models.count_parameters(model), model.config.hidden_size
+    precision = runtime.resolve_precision(args.precision, device, hidden)
+    if not args.model:
+        if world.is_main:
+            models.save_model(model.to(torch.bfloat16 if precision == "bf16-mixed" else torch.float32),
+                              tokenizer, model_dir)
+        del model
     build_seconds = time.perf_counter() - clock
+    heads = args.composer_heads or (shape.num_attention_heads if args.model else 4)
+    if hidden % heads:
+        raise SystemExit(f"--composer-heads {heads} does not divide the model's hidden size {hidden}")
 
     env = get_env("toolworld", seed=0, sizes={"train": 64, "eval": 4, "pretrain": 0})
     tasks = env.tasks("train")[: args.rollouts // 4]
@@ -146,20 +164,20 @@ def run(args) -> dict:
             gold = agent.run_episodes(env, env.tasks("train"), policies.OraclePolicy(), tokenizer,
                                       8, 96, 64)
             bank.add_rollouts(gold, {t.task_id: t for t in env.tasks("train")}, source="oracle")
-    sets = [f"model.name_or_path={work / 'model'}", f"run.device={device.type}",
+    sets = [f"model.name_or_path={model_dir}", f"run.device={device.type}",
             f"run.precision={precision}", f"train.rollouts_per_step={len(rollouts)}",
             f"train.per_device_train_batch_size={args.micro_batch}",
             f"train.loss_chunk_tokens={args.loss_chunk_tokens}",
             f"train.gradient_checkpointing={str(args.gradient_checkpointing).lower()}",
             "env.train_size=64", "env.eval_size=4", "env.pretrain_size=0", "train.eval_tasks=4",
-            f"composer.num_latents={args.latents}", f"composer.num_heads={args.composer_heads}",
+            f"composer.num_latents={args.latents}", f"composer.num_heads={heads}",
             f"lopd.composer={work / 'composer'}", f"lopd.bank={work / 'bank'}",
             "lopd.add_successes=false", f"run.num_threads={args.threads}",
             f"train.parallel={args.parallel}", f"rollout.engine={args.engine}",
             f"rollout.vllm_sleep={str(args.vllm_sleep).lower()}",
             f"rollout.vllm_gpu_memory_utilization={args.vllm_memory}"]
     if world.is_main:
-        base, _ = models.load_model(work / "model", device=device,
+        base, _ = models.load_model(model_dir, device=device,
                                     dtype=runtime.resolve_dtype("auto", device, precision))
         torch.manual_seed(0)
         Composer(base.eval(), tokenizer, load_config("tiny", sets).composer).save(work / "composer")
@@ -215,7 +233,7 @@ def run(args) -> dict:
     peak = args.peak_tflops if args.peak_tflops is not None else (989.0 if device.type == "cuda" else None)
     for r in results.values():
         r["mfu"] = r["student_update_tflops"] / peak if peak else None
-    return {"architecture": args.architecture, "parameters": params, "device": str(device),
+    return {"architecture": args.model or args.architecture, "parameters": params, "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "precision": precision, "rollouts": len(rollouts), "tokens": real_tokens,
             "action_tokens": action_tokens, "micro_batch": args.micro_batch,
@@ -237,7 +255,11 @@ def main() -> None:
                         help="train.loss_chunk_tokens (0: all of a micro-batch at once)")
     parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--latents", type=int, default=32, help="composer K")
-    parser.add_argument("--composer-heads", type=int, default=4)
+    parser.add_argument("--composer-heads", type=int,
+                        help="composer.num_heads (default: 4; the model's own heads with --model)")
+    parser.add_argument("--model", help="a prepared model folder: real weights and tokenizer "
+                        "instead of a random model of --architecture's shape (--width, --layers, "
+                        "--vocab do not apply)")
     parser.add_argument("--steps", type=int, default=2, help="steps per method; the last is reported")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--engine", default="transformers", choices=["transformers", "vllm"],

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The prepared GPU check: one GRPO and one LOPD step on a Qwen3-4B-shaped random model.
+# The prepared GPU check: one GRPO and one LOPD step on a Qwen3-4B-shaped random model, or on real
+# weights with --model DIR (a folder prepared by `lopd model prepare`: SmolLM2 from `make smollm2`,
+# a real Qwen3 folder where one is available); every argument is passed on to gpu_check.py.
 # 1. One process under torchrun (train.parallel=fsdp2, which wraps the student only from two
 #    processes on: one process trains it unwrapped), rollouts from vLLM colocated with it. It prints the share of the GPU vLLM took
 #    (rollout.vllm_gpu_memory_utilization=auto), puts vLLM to sleep during each update

@@ -128,8 +128,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--episodes", type=int, default=2,
                         help="sampled episodes for the log-prob difference (0 = skip)")
+    parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS,
+                        help="the precisions to time (the speed-up column needs both)")
     parser.add_argument("--json", type=Path, help="write every figure here")
     args = parser.parse_args()
+    args.precisions = [p for p in PRECISIONS if p in args.precisions]   # float32 first
     runtime.set_threads(args.threads)
     torch.manual_seed(0)
     unit, found = runtime.cpu_bf16_units()
@@ -149,9 +152,9 @@ def main() -> None:
         ids = torch.randint(0, len(tokenizer), (args.batch, args.tokens))
         work = jobs(model, ids, kinds)
         times: dict[str, dict[str, list[float]]] = {p: {job: [] for job in work}
-                                                     for p in PRECISIONS}
+                                                     for p in args.precisions}
         for repeat in range(args.repeats + 1):  # precisions alternate; the first round is warm-up
-            for precision in PRECISIONS:
+            for precision in args.precisions:
                 for job, fn in work.items():
                     seconds = timed(lambda: fn(precision))
                     if repeat:
@@ -160,14 +163,17 @@ def main() -> None:
                    for p, runs_ in times.items()}
         entry = {"parameters": models.count_parameters(model), "hidden_size": hidden,
                  "auto": auto, "auto_reason": why, "seconds": figures, "runs": times}
-        for job in figures["fp32"]:
-            fp32, bf16 = figures["fp32"][job], figures["bf16-mixed"][job]
-            rows.append([Path(name).name, job.replace("_", " "), f"{fp32:.3f}", f"{bf16:.3f}",
-                         f"{fp32 / bf16:.2f}"])
+        for job in work:
+            got = [figures[p][job] for p in args.precisions]
+            ratio = f"{got[0] / got[1]:.2f}" if len(got) == 2 else ""
+            rows.append([Path(name).name, job.replace("_", " "), *(f"{g:.3f}" for g in got), ratio])
         if name == args.model and args.episodes:
             entry["logprob_difference"] = logprob_difference(model, tokenizer, args.episodes, 0)
         out["models"][name] = entry
-    print(format_table(["model", "phase", "float32 s", "bf16-mixed s", "speed-up of bf16"], rows))
+    names = {"fp32": "float32 s", "bf16-mixed": "bf16-mixed s"}
+    headers = ["model", "phase", *(names[p] for p in args.precisions)]
+    print(format_table(headers + (["speed-up of bf16"] if len(args.precisions) == 2 else []),
+                       rows))
     diff = out["models"][args.model].get("logprob_difference")
     if diff:
         print(f"bf16 weights vs float32, log-prob of {diff['action_tokens']} sampled action tokens "

@@ -40,6 +40,26 @@ def test_preset_loads_validates_and_keeps_the_paper_values(preset, capsys):
     assert hidden % cfg.composer.num_heads == 0
 
 
+def test_the_smollm2_preset_marks_every_value_and_keeps_the_paper_ones():
+    text = (Path(__file__).resolve().parents[1] / "configs" / "smollm2-135m.yaml").read_text()
+    values = [line for line in text.splitlines()
+              if ":" in line and line.startswith("  ") and not line.lstrip().startswith("#")]
+    assert values and all("# paper" in line or "# choice" in line for line in values)
+    cfg = load_config("smollm2-135m")
+    paper = {"train.learning_rate": 1e-5, "lopd.composer_learning_rate": 1e-5,
+             "grpo.num_generations": 4, "bank.n_ret": 3, "lopd.top_m": 20, "lopd.margin": 0.05,
+             "lopd.anchor_weight": 0.2, "lopd.dual_lr": 0.5, "cold_start.learning_rate": 1e-5,
+             "cold_start.batch_size": 8, "cold_start.max_grad_norm": 3.0,
+             "composer.lora_r": 8, "composer.lora_alpha": 16}
+    got = cfg.to_dict()
+    for key, expected in paper.items():
+        section, name = key.split(".")
+        assert got[section][name] == pytest.approx(expected), key
+    assert cfg.model.name_or_path == "runs/models/smollm2-135m" and cfg.run.precision == "auto"
+    assert 576 % cfg.composer.num_heads == 0            # SmolLM2's hidden size
+    assert cfg.train.rollouts_per_step % cfg.grpo.num_generations == 0
+
+
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_a_reduced_model_of_each_preset_runs_one_lopd_step(preset, tmp_path):
     tokenizer = models.load_tokenizer(models.resolve_model_path("toolworld-1m"))

@@ -16,14 +16,14 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from lopd import chat, stages
+from lopd import chat, runtime, stages
 from lopd.config import Config, ConfigError
 
 
 def build_and_save(cfg: Config, corpus: list[str], out: str | Path) -> dict:
     """Train a tokenizer on ``corpus``, build the model of ``cfg.model.architecture`` (seeded by
     ``run.seed``) and save both in ``out``; the figures of the new model."""
-    from lopd import models, runtime
+    from lopd import models
 
     runtime.setup(cfg.run)
     start = time.perf_counter()
@@ -75,6 +75,8 @@ def model_info(path: str | Path, trust_remote_code: bool = False) -> dict:
         "vocab_size": len(tokenizer),
         "max_position_embeddings": cfg.max_position_embeddings,
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "precision_auto_here": "{} ({})".format(*runtime.choose_precision(
+            "auto", runtime.resolve_device("auto"), cfg.hidden_size)),
         "special_tokens": list(tokenizer.all_special_tokens),
         "latent_token": chat.LATENT_TOKEN if chat.LATENT_TOKEN in tokenizer.get_vocab() else None,
         "chat_template": tokenizer.chat_template is not None,
