@@ -161,3 +161,67 @@ def test_a_coded_request_sees_its_references_under_its_own_code():
             seen["plain"] += 1
             assert not any(line.startswith("Task: Request ") for line in task_lines)
     assert seen["coded"] >= 20 and seen["plain"] >= 20
+
+
+WARM_UP = ["env.pretrain_size=24", "env.train_size=30", "env.eval_size=10",
+           "base.pretrain_tasks=24", "base.max_steps=4", "base.eval_every=4", "base.eval_tasks=2",
+           "base.batch_size=8", "base.stop_at_success=1.0", "model.vocab_size=600",
+           "rollout.max_turns=2", "rollout.max_completion_length=8"]
+
+
+def test_micro_batches_and_checkpointing_give_the_loss_curve_of_one_pass(tmp_path):
+    torch.set_num_threads(1)
+    whole = base.build_base(load_config("tiny", WARM_UP), tmp_path / "whole", progress=False)
+    micro = base.build_base(load_config("tiny", [*WARM_UP, "train.per_device_train_batch_size=3",
+                                                 "train.gradient_checkpointing=true"]),
+                            tmp_path / "micro", progress=False)
+    curve = lambda out: [h["loss"] for h in json.loads(  # noqa: E731
+        (out / "base_training.json").read_text())["history"]]
+    assert curve(tmp_path / "micro") == pytest.approx(curve(tmp_path / "whole"), rel=1e-5)
+    assert micro["final_loss"] == pytest.approx(whole["final_loss"], rel=1e-5)
+    a, _ = models.load_model(tmp_path / "whole")
+    b, _ = models.load_model(tmp_path / "micro")
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.allclose(x, y, atol=1e-6), name
+
+
+def test_a_warm_up_killed_mid_run_resumes_from_its_last_checkpoint(tmp_path, monkeypatch):
+    torch.set_num_threads(1)
+    whole = base.build_base(load_config("tiny", WARM_UP), tmp_path / "whole", progress=False)
+    sets = [*WARM_UP, "base.save_every_minutes=1e-9"]       # a checkpoint after every step
+    update, calls = base.sft_update, []
+
+    def dies_at_the_third_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:119] DefaultCPUAllocator: not "
+                               "enough memory: you tried to allocate 2147483648 bytes.")
+        return update(*args, **kwargs)
+
+    monkeypatch.setattr(base, "sft_update", dies_at_the_third_step)
+    with pytest.raises(MemoryError, match=r"out of memory at warm-up step 3 .*"
+                       r"train.per_device_train_batch_size.*--resume"):
+        base.build_base(load_config("tiny", sets), tmp_path / "killed", progress=False)
+    monkeypatch.setattr(base, "sft_update", update)
+    assert torch.load(tmp_path / "killed" / base.CHECKPOINT, weights_only=False)["step"] == 2
+    # Resumed with other memory settings: the same update, so the same run.
+    resumed = base.build_base(load_config("tiny", [*sets, "train.per_device_train_batch_size=2"]),
+                              tmp_path / "killed", progress=False, resume=True)
+    assert resumed["steps"] == 4 and resumed["final_loss"] == pytest.approx(whole["final_loss"],
+                                                                              rel=1e-5)
+    a, _ = models.load_model(tmp_path / "whole")
+    b, _ = models.load_model(tmp_path / "killed")
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.allclose(x, y, atol=1e-6), name
+
+
+def test_a_warm_up_that_cannot_fit_is_refused_up_front_in_one_line(tmp_path, monkeypatch, capsys):
+    from lopd.cli import main
+
+    monkeypatch.setattr(base, "available_bytes", lambda: 2**20)
+    args = ["base", "--out", str(tmp_path / "b")] + [f"--set={s}" for s in WARM_UP]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]    # after the data's progress bar
+    assert err.startswith("lopd base: error: a warm-up step would need about")
+    assert "train.gradient_checkpointing=true" in err
+    assert not (tmp_path / "b" / base.CHECKPOINT).exists()

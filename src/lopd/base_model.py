@@ -68,9 +68,73 @@ def action_token_loss(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tens
     positions only: the same loss as full logits at a fraction of the head's cost (on the tiny
     model ~1.6x faster per step on CPU).
     """
+    total, count = action_token_nll(model, batch)
+    return total / count, count
+
+
+def action_token_nll(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Summed next-token cross-entropy over action tokens (labels != -100), and their count."""
     scored = action_logits(model, ScoringBatch(batch["input_ids"], batch["attention_mask"],
                                                batch["labels"] != -100))
-    return -scored.token_logprobs().mean(), scored.targets.numel()
+    return -scored.token_logprobs().sum(), scored.targets.numel()
+
+
+ACTIVATION_BYTES = 90
+"""Bytes kept per token, decoder layer and unit of hidden width by a float32 forward for its
+backward (measured on SmolLM2-135M with SDPA attention: 15.5 GB for 8 x 1,005 tokens, 30 layers,
+hidden 576, less weights and AdamW state); with activation checkpointing a layer keeps only its
+input (4 bytes per unit) and one layer at a time is recomputed."""
+
+
+def expected_peak_bytes(model, micro_tokens: int, checkpointing: bool, precision: str) -> int:
+    """A rough peak of one warm-up step: float32 weights, gradients and AdamW moments (16 bytes
+    per parameter), the activations of a micro-batch of ``micro_tokens`` tokens (halved under
+    bf16-mixed), and 1 GiB for the process itself."""
+    cfg = model.config
+    per_layer = micro_tokens * cfg.hidden_size
+    scale = 0.5 if precision == "bf16-mixed" else 1.0
+    if checkpointing:
+        activations = per_layer * (4 * cfg.num_hidden_layers + ACTIVATION_BYTES * scale)
+    else:
+        activations = per_layer * cfg.num_hidden_layers * ACTIVATION_BYTES * scale
+    return int(16 * models.count_parameters(model) + activations + 2**30)
+
+
+def available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (None where it cannot be read)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+LOWER_MEMORY = ("lower train.per_device_train_batch_size (transcripts per forward/backward; the "
+                "update stays the same), set train.gradient_checkpointing=true, or "
+                "run.precision=bf16-mixed on a CPU or GPU with bfloat16 units")
+
+
+def sft_update(model, sequences: list[tuple[list[int], list[int]]], pad_id: int,
+               micro_batch_size: int, precision: str, device) -> tuple[float, int]:
+    """Gradients of the mean action-token cross-entropy over ``sequences`` (token ids, action
+    mask), accumulated in ``model``'s ``.grad`` over micro-batches of ``micro_batch_size``
+    sequences (0 = all at once). Each micro-batch's summed loss is divided by the action tokens of
+    the whole batch, so the gradients equal one pass over it. Returns (mean loss, action tokens)."""
+    total = sum(sum(mask[1:]) for _, mask in sequences)
+    if total == 0:
+        raise ValueError("a warm-up batch holds no action tokens")
+    size = micro_batch_size or len(sequences)
+    loss = 0.0
+    for i in range(0, len(sequences), size):
+        batch = {k: v.to(device) for k, v in collate_arrays(sequences[i:i + size],
+                                                              pad_id).items()}
+        with runtime.autocast(precision, device):
+            nll, _ = action_token_nll(model, batch)
+        (nll / total).backward()
+        loss += nll.item()
+    return loss / total, total
 
 
 def lr_at(step: int, cfg) -> float:
@@ -264,8 +328,10 @@ def _comparable(config: dict, saved: dict) -> dict:
     without keys the ``saved`` config does not have (settings added to lopd since it was
     written)."""
     config = json.loads(json.dumps(config))
-    config["base"].pop("time_limit_minutes", None)
-    config["run"].pop("num_threads", None)
+    for section, key in (("base", "time_limit_minutes"), ("base", "save_every_minutes"),
+                         ("run", "num_threads"), ("train", "per_device_train_batch_size"),
+                         ("train", "gradient_checkpointing")):
+        config.get(section, {}).pop(key, None)
     return {section: {k: v for k, v in values.items() if k in saved.get(section, {})}
             for section, values in config.items() if section in saved}
 
@@ -287,7 +353,10 @@ def build_base(cfg: Config, out_dir: str | Path, progress: bool = True, resume: 
         saved = state["config"]
         if _comparable(saved, saved) != _comparable(asdict(cfg), saved):
             raise ValueError(f"{out / CHECKPOINT} was made with a different config; resume with "
-                             "the same settings (only base.time_limit_minutes and run.num_threads may change)")
+                             "the same settings (only base.time_limit_minutes, "
+                             "base.save_every_minutes, run.num_threads, "
+                             "train.per_device_train_batch_size and train.gradient_checkpointing "
+                             "may change)")
     device = runtime.setup(cfg.run)
     bcfg = cfg.base
     start = time.perf_counter()
@@ -308,9 +377,25 @@ def build_base(cfg: Config, out_dir: str | Path, progress: bool = True, resume: 
     # Trained weights stay float32; bf16-mixed precision runs the forward under autocast.
     model.to(device=device, dtype=torch.float32).train()
     precision, why = runtime.choose_precision(cfg.run.precision, device, runtime.hidden_size(model))
-    if progress:
-        print(f"precision: {precision} ({why})")
+    micro = cfg.train.per_device_train_batch_size
+    if cfg.train.gradient_checkpointing:
+        models.enable_activation_checkpointing(model)
     lengths = data.lengths()
+    longest = max(lengths)
+    micro_tokens = longest * (min(micro, bcfg.batch_size) if micro else bcfg.batch_size)
+    peak, free = (expected_peak_bytes(model, micro_tokens, cfg.train.gradient_checkpointing,
+                                      precision), available_bytes())
+    if free is not None and peak > free:
+        raise MemoryError(f"a warm-up step would need about {peak / 2**30:.1f} GiB ({micro_tokens} "
+                          f"tokens per forward/backward) but {free / 2**30:.1f} GiB is free: "
+                          f"{LOWER_MEMORY}")
+    if progress:
+        attention = getattr(model.config, "_attn_implementation", None) or "default"
+        print(f"precision: {precision} ({why}); attention: {attention}; micro-batches of "
+              f"{min(micro, bcfg.batch_size) if micro else bcfg.batch_size} of "
+              f"{bcfg.batch_size} transcripts (train.per_device_train_batch_size); activation "
+              f"checkpointing {'on' if cfg.train.gradient_checkpointing else 'off'} "
+              f"(train.gradient_checkpointing); expected peak ~{peak / 2**30:.1f} GiB")
     too_long = sum(n > cfg.model.max_position_embeddings for n in lengths)
     if too_long:
         raise ValueError(f"{too_long} oracle transcripts exceed model.max_position_embeddings="
@@ -332,25 +417,37 @@ def build_base(cfg: Config, out_dir: str | Path, progress: bool = True, resume: 
         start -= offset
     stopped = "max_steps"
 
+    saved_at, saved_step = time.perf_counter(), first if state is not None else None
+
     def checkpoint(done: int) -> None:
+        nonlocal saved_at, saved_step
         _save_checkpoint(out / CHECKPOINT, cfg, model, optimizer, rng, batches, history, evals,
                          done, time.perf_counter() - start)
+        saved_at, saved_step = time.perf_counter(), done
 
     bar = tqdm(total=bcfg.max_steps, initial=first, desc="base SFT", disable=not progress)
     for step in range(first, bcfg.max_steps):
         if not batches:
             batches = length_batches(lengths, bcfg.batch_size, rng)
-        batch = {k: v.to(device) for k, v in collate_arrays(
-            [data.sequence(i) for i in batches.pop()], tokenizer.pad_token_id).items()}
+        sequences = [data.sequence(i) for i in batches.pop()]
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, bcfg)
-        with runtime.autocast(precision, device):
-            loss, n_tokens = action_token_loss(model, batch)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        try:
+            loss, n_tokens = sft_update(model, sequences, tokenizer.pad_token_id, micro,
+                                        precision, device)
+        except (MemoryError, torch.OutOfMemoryError, RuntimeError) as exc:
+            if not isinstance(exc, MemoryError | torch.OutOfMemoryError) \
+                    and "memory" not in str(exc):
+                raise
+            kept = (f"resume from {out / CHECKPOINT} (step {saved_step}) with --resume"
+                    if saved_step is not None else "no checkpoint was written yet")
+            raise MemoryError(f"out of memory at warm-up step {step + 1} "
+                              f"({sum(len(ids) for ids, _ in sequences)} tokens): {LOWER_MEMORY}; "
+                              f"{kept}") from exc
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), bcfg.max_grad_norm)
         optimizer.step()
-        history.append({"step": step + 1, "loss": loss.item(), "grad_norm": float(grad_norm),
+        history.append({"step": step + 1, "loss": loss, "grad_norm": float(grad_norm),
                         "lr": optimizer.param_groups[0]["lr"], "action_tokens": n_tokens,
                         "seconds": round(time.perf_counter() - start, 2)})
         bar.update(1)
@@ -372,6 +469,9 @@ def build_base(cfg: Config, out_dir: str | Path, progress: bool = True, resume: 
             checkpoint(step + 1)
             stopped = "time_limit"
             break
+        if (bcfg.save_every_minutes and not last
+                and time.perf_counter() - saved_at > 60 * bcfg.save_every_minutes):
+            checkpoint(step + 1)
     bar.close()
 
     model.to(dtype=torch.float32)
@@ -380,7 +480,10 @@ def build_base(cfg: Config, out_dir: str | Path, progress: bool = True, resume: 
         "path": str(out),
         "parameters": models.count_parameters(model),
         "vocab_size": len(tokenizer),
-        "architecture": cfg.model.architecture,
+        "architecture": (f"{model.config.model_type} (from {bcfg.init_from})" if bcfg.init_from
+                         else cfg.model.architecture),
+        "hidden_size": model.config.hidden_size,
+        "layers": model.config.num_hidden_layers,
         "init_from": bcfg.init_from or None,
         "pretrain_transcripts": len(data),
         "tokens_per_transcript": round(len(data.ids) / len(data), 1),

@@ -229,7 +229,10 @@ class EnvConfig:
 
 @dataclass
 class BaseConfig:
-    """Supervised fine-tuning of the tiny base model on oracle transcripts (``lopd base``)."""
+    """Supervised fine-tuning of the tiny base model on oracle transcripts (``lopd base``), or the
+    warm-up of a real model (``init_from``). Memory follows the training settings: micro-batches
+    of ``train.per_device_train_batch_size`` transcripts, ``train.gradient_checkpointing`` and
+    ``run.precision``."""
 
     pretrain_tasks: int = knob(30000, "Oracle transcripts of the pre-training pool to train on.",
                                ge=1)
@@ -259,6 +262,10 @@ class BaseConfig:
     time_limit_minutes: float = knob(
         0.0, "Wall-clock limit of training (0 = none; a limit makes the result depend on the "
         "machine's speed).", ge=0.0)
+    save_every_minutes: float = knob(
+        5.0, "Write the warm-up's checkpoint once this many minutes have passed since the last "
+        "one (and at every validation), so an interrupted run loses at most that much; "
+        "0 = at validations only.", ge=0.0)
 
 
 @dataclass

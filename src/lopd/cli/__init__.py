@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, FileNotFoundError, ValueError, SandboxUnavailable) as exc:
+    except (ConfigError, FileNotFoundError, ValueError, MemoryError, SandboxUnavailable) as exc:
         print(f"lopd {args.command}: error: {exc}", file=sys.stderr)
         return 2
 
