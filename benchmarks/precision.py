@@ -16,6 +16,9 @@ alternate run by run, so a machine that slows down does so for both. The CPU's b
 unit (``lopd.runtime.cpu_bf16_units``) and what ``run.precision: auto`` chooses for each model are
 printed first.
 
+``--vllm-episodes N`` (in ``.venv-vllm``): N greedy episodes served by vLLM in bfloat16, its
+reported log-probs against the float32 and the bf16 model's on the same tokens.
+
 Log-prob difference: ``--episodes`` toolworld episodes sampled (T = 1) from the real model in
 float32 through lopd's engine, then each sampled action token's log-prob scored by the float32
 model and by the same model with bfloat16 weights (as a bf16 rollout engine serves it): mean and
@@ -118,6 +121,36 @@ def logprob_difference(model, tokenizer, episodes: int, seed: int) -> dict:
             "mean_signed": float(d.mean()), "p99_abs": float(d.abs().quantile(0.99))}
 
 
+def vllm_bf16_difference(model, tokenizer, episodes: int) -> dict:
+    """Greedy episodes served by vLLM in bfloat16; each action token's log-prob as vLLM reports it
+    against the float32 model's and the bf16 model's (torch) on the same tokens."""
+    from lopd.rollout.vllm_engine import VLLMEngine
+
+    env = get_env("toolworld", seed=0, sizes={"train": 8, "eval": episodes, "pretrain": 0},
+                  coded_fraction=1.0)
+    engine = VLLMEngine(model, tokenizer, dtype=torch.bfloat16)
+    try:
+        policy = policies.ModelPolicy(engine, tokenizer, SamplingParams(temperature=0))
+        rollouts = agent.run_episodes(env, env.tasks("eval"), policy, tokenizer, 2, 24, episodes)
+    finally:
+        engine.close()
+    half = copy.deepcopy(model).to(torch.bfloat16).eval()
+    out = {"episodes": len(rollouts)}
+    for name, m in (("vs_float32", model), ("vs_torch_bf16", half)):
+        gaps = []
+        for rollout in rollouts:
+            ids = torch.tensor([rollout.input_ids])
+            mask = torch.tensor(rollout.action_mask[1:], dtype=torch.bool)
+            with torch.no_grad():
+                logits = m(ids).logits[0, :-1][mask].float()
+            ref = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:][mask][:, None])[:, 0]
+            gaps.append((torch.tensor(rollout.logprobs) - ref).abs())
+        d = torch.cat(gaps)
+        out[name] = {"action_tokens": int(d.numel()), "mean_abs": float(d.mean()),
+                     "p95_abs": float(d.quantile(0.95)), "max_abs": float(d.max())}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="runs/models/smollm2-135m",
@@ -130,6 +163,11 @@ def main() -> None:
                         help="sampled episodes for the log-prob difference (0 = skip)")
     parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS,
                         help="the precisions to time (the speed-up column needs both)")
+    parser.add_argument("--timings", action=argparse.BooleanOptionalAction, default=True,
+                        help="time the forward and steps (--no-timings: the vLLM part only)")
+    parser.add_argument("--vllm-episodes", type=int, default=0,
+                        help="also serve the real model with vLLM in bfloat16 (.venv-vllm) for this "
+                        "many greedy episodes and compare its log-probs")
     parser.add_argument("--json", type=Path, help="write every figure here")
     args = parser.parse_args()
     args.precisions = [p for p in PRECISIONS if p in args.precisions]   # float32 first
@@ -143,7 +181,9 @@ def main() -> None:
     out = {"cpu_bf16_unit": unit, "detected_by": found, "threads": args.threads,
            "matmul_gflops": peak, "batch": args.batch, "tokens": args.tokens, "models": {}}
     rows = []
-    for name, kinds in (("toolworld-1m", ("full",)), (args.model, ("full", "lora"))):
+    timed_models = (("toolworld-1m", ("full",)), (args.model, ("full", "lora"))) \
+        if args.timings else ()
+    for name, kinds in timed_models:
         model, tokenizer = models.load_model(name)
         hidden = runtime.hidden_size(model)
         auto, why = runtime.choose_precision("auto", torch.device("cpu"), hidden)
@@ -172,13 +212,21 @@ def main() -> None:
         out["models"][name] = entry
     names = {"fp32": "float32 s", "bf16-mixed": "bf16-mixed s"}
     headers = ["model", "phase", *(names[p] for p in args.precisions)]
-    print(format_table(headers + (["speed-up of bf16"] if len(args.precisions) == 2 else []),
-                       rows))
-    diff = out["models"][args.model].get("logprob_difference")
+    if rows:
+        print(format_table(headers + (["speed-up of bf16"] if len(args.precisions) == 2 else []),
+                           rows))
+    diff = out["models"].get(args.model, {}).get("logprob_difference")
     if diff:
         print(f"bf16 weights vs float32, log-prob of {diff['action_tokens']} sampled action tokens "
               f"({diff['episodes']} episodes): mean |d| {diff['mean_abs']:.4f}, p99 "
               f"{diff['p99_abs']:.4f}, max {diff['max_abs']:.4f}, mean d {diff['mean_signed']:+.4f}")
+    if args.vllm_episodes:
+        model, tokenizer = models.load_model(args.model)
+        got = out["vllm_bf16"] = vllm_bf16_difference(model.eval(), tokenizer, args.vllm_episodes)
+        for name, d in ((k, v) for k, v in got.items() if k != "episodes"):
+            print(f"vLLM serving bf16, {name.replace('_', ' ')}: {d['action_tokens']} action tokens "
+                  f"({got['episodes']} greedy episodes): mean |d| {d['mean_abs']:.3f}, p95 "
+                  f"{d['p95_abs']:.3f}, max {d['max_abs']:.3f}")
     if args.json:
         write_json(args.json, out)
 

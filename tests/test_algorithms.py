@@ -51,7 +51,9 @@ def assert_same(a, b, what):
         assert torch.allclose(wa, wb, rtol=0, atol=2e-6), f"{what}: weights differ"
         assert (ga is None) == (gb is None), f"{what}: gradient presence differs"
         if ga is not None:
-            assert torch.allclose(ga, gb, rtol=0, atol=1e-6), f"{what}: gradients differ"
+            # Gradients up to ~1e-2 summed in another order per micro-batch split differ by
+            # float32 rounding of their size (1e-5 relative on an AVX2-only AMD EPYC).
+            assert torch.allclose(ga, gb, rtol=1e-4, atol=1e-6), f"{what}: gradients differ"
 
 
 def run_step(inputs, run_dir, algo, micro, batch_of, **sets):
