@@ -144,7 +144,9 @@ def vllm_bf16_difference(model, tokenizer, episodes: int) -> dict:
             with torch.no_grad():
                 logits = m(ids).logits[0, :-1][mask].float()
             ref = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:][mask][:, None])[:, 0]
-            gaps.append((torch.tensor(rollout.logprobs) - ref).abs())
+            # Rollout.logprobs runs along input_ids (0 off the actions): the action positions.
+            reported = torch.tensor(rollout.logprobs[1:])[mask]
+            gaps.append((reported - ref).abs())
         d = torch.cat(gaps)
         out[name] = {"action_tokens": int(d.numel()), "mean_abs": float(d.mean()),
                      "p95_abs": float(d.quantile(0.95)), "max_abs": float(d.max())}

