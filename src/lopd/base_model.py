@@ -454,6 +454,8 @@ def build_base(cfg: Config, out_dir: str | Path, progress: bool = True, resume: 
         bar.set_postfix(loss=f"{history[-1]['loss']:.3f}")
         last = step + 1 == bcfg.max_steps
         if (step + 1) % bcfg.eval_every == 0 or last:
+            # The gradients are spent: their memory goes to the evaluation's key/value caches.
+            optimizer.zero_grad(set_to_none=True)
             summary = greedy_success(model, tokenizer, env, validation, cfg, device)
             evals.append({"step": step + 1, "success_rate": summary["success_rate"],
                           "mean_reward": summary["mean_reward"],
