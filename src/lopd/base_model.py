@@ -382,7 +382,8 @@ def build_base(cfg: Config, out_dir: str | Path, progress: bool = True, resume: 
         models.enable_activation_checkpointing(model)
     lengths = data.lengths()
     longest = max(lengths)
-    micro_tokens = longest * (min(micro, bcfg.batch_size) if micro else bcfg.batch_size)
+    per_pass = min(micro, bcfg.batch_size) if micro else bcfg.batch_size
+    micro_tokens = longest * per_pass
     peak, free = (expected_peak_bytes(model, micro_tokens, cfg.train.gradient_checkpointing,
                                       precision), available_bytes())
     if free is not None and peak > free:
@@ -392,7 +393,7 @@ def build_base(cfg: Config, out_dir: str | Path, progress: bool = True, resume: 
     if progress:
         attention = getattr(model.config, "_attn_implementation", None) or "default"
         print(f"precision: {precision} ({why}); attention: {attention}; micro-batches of "
-              f"{min(micro, bcfg.batch_size) if micro else bcfg.batch_size} of "
+              f"{per_pass} of "
               f"{bcfg.batch_size} transcripts (train.per_device_train_batch_size); activation "
               f"checkpointing {'on' if cfg.train.gradient_checkpointing else 'off'} "
               f"(train.gradient_checkpointing); expected peak ~{peak / 2**30:.1f} GiB")
