@@ -39,6 +39,7 @@ from lopd import agent, models, policies, runtime
 from lopd.envs import get_env
 from lopd.rollout import SamplingParams, TransformersEngine
 from lopd.tables import format_table, write_json
+from lopd.teacher import rollout_logprobs
 
 PRECISIONS = ("fp32", "bf16-mixed")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -104,18 +105,9 @@ def logprob_difference(model, tokenizer, episodes: int, seed: int) -> dict:
     policy = policies.ModelPolicy(engine, tokenizer, SamplingParams(temperature=1.0, seed=seed))
     rollouts = agent.run_episodes(env, env.tasks("eval"), policy, tokenizer, 2, 48, episodes)
     half = copy.deepcopy(model).to(torch.bfloat16).eval()
-    diffs: list[torch.Tensor] = []
-    for rollout in rollouts:
-        ids = torch.tensor([rollout.input_ids])
-        mask = torch.tensor(rollout.action_mask[1:], dtype=torch.bool)
-        targets = ids[0, 1:][mask]
-        scored = []
-        for m in (model, half):
-            with torch.no_grad():
-                logits = m(ids).logits[0, :-1][mask].float()
-            scored.append(torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0])
-        diffs.append(scored[1] - scored[0])
-    d = torch.cat(diffs)
+    pad = tokenizer.pad_token_id
+    d = torch.cat(rollout_logprobs(half, rollouts, pad)) - torch.cat(
+        rollout_logprobs(model, rollouts, pad))
     return {"episodes": len(rollouts), "action_tokens": int(d.numel()),
             "mean_abs": float(d.abs().mean()), "max_abs": float(d.abs().max()),
             "mean_signed": float(d.mean()), "p99_abs": float(d.abs().quantile(0.99))}
@@ -136,18 +128,11 @@ def vllm_bf16_difference(model, tokenizer, episodes: int) -> dict:
         engine.close()
     half = copy.deepcopy(model).to(torch.bfloat16).eval()
     out = {"episodes": len(rollouts)}
+    # Rollout.logprobs runs along input_ids (0 off the actions): the action positions.
+    reported = torch.tensor([lp for r in rollouts
+                             for lp, m in zip(r.logprobs[1:], r.action_mask[1:]) if m])
     for name, m in (("vs_float32", model), ("vs_torch_bf16", half)):
-        gaps = []
-        for rollout in rollouts:
-            ids = torch.tensor([rollout.input_ids])
-            mask = torch.tensor(rollout.action_mask[1:], dtype=torch.bool)
-            with torch.no_grad():
-                logits = m(ids).logits[0, :-1][mask].float()
-            ref = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:][mask][:, None])[:, 0]
-            # Rollout.logprobs runs along input_ids (0 off the actions): the action positions.
-            reported = torch.tensor(rollout.logprobs[1:])[mask]
-            gaps.append((reported - ref).abs())
-        d = torch.cat(gaps)
+        d = (reported - torch.cat(rollout_logprobs(m, rollouts, tokenizer.pad_token_id))).abs()
         out[name] = {"action_tokens": int(d.numel()), "mean_abs": float(d.mean()),
                      "p95_abs": float(d.quantile(0.95)), "max_abs": float(d.max())}
     return out

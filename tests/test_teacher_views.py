@@ -11,7 +11,7 @@ import torch
 
 from lopd import agent, models, policies
 from lopd.envs import get_env
-from lopd.teacher import EMATeacher, TextContext, scoring_batch, text_view
+from lopd.teacher import EMATeacher, TextContext, rollout_logprobs, scoring_batch, text_view
 from test_step_checks import plain_action_logprobs
 
 PREFIX = "A correct solution of this task, as a demonstration:\n"
@@ -164,3 +164,13 @@ def test_the_ema_weights_survive_save_and_load(setting, tmp_path):
     assert not torch.equal(next(other.model.parameters()), next(model.parameters()))
     with pytest.raises(FileNotFoundError, match="no EMA teacher"):
         other.load(tmp_path / "missing")
+
+
+def test_rollout_logprobs_are_each_rollouts_plain_forward(setting):
+    model, tokenizer, rollouts, _ = setting
+    got = rollout_logprobs(model, rollouts, tokenizer.pad_token_id)
+    assert len(got) == len(rollouts)
+    for rollout, values in zip(rollouts, got):
+        plain = plain_action_logprobs(model, rollout.input_ids, rollout.action_mask)
+        assert values.shape == plain.shape == (sum(rollout.action_mask),)
+        torch.testing.assert_close(values, plain, atol=1e-5, rtol=0)

@@ -213,6 +213,17 @@ def action_logits(model, batch: ScoringBatch, latents: torch.Tensor | None = Non
     return ActionLogits(hidden, batch.input_ids[:, 1:][predicts_action], rows, scorer, chunk_tokens)
 
 
+def rollout_logprobs(model, rollouts, pad_id: int) -> list[torch.Tensor]:
+    """Each rollout's action-token log-probs under ``model`` (no gradient), in the order of its
+    action tokens: the scoring every trainer uses, for diagnostics and engine checks."""
+    batch = scoring_batch([r.input_ids for r in rollouts], [r.action_mask for r in rollouts],
+                          pad_id).to(next(model.parameters()).device)
+    with torch.no_grad():
+        scored = action_logits(model, batch)
+        values = scored.token_logprobs()
+    return [values[scored.rows == i] for i in range(len(rollouts))]
+
+
 def teacher_pass(composer, rollouts, fmt: ReferenceFormat, latents: torch.Tensor | None = None,
                  blocks: Sequence[Sequence[int]] | None = None) -> ActionLogits:
     """The frozen teacher (the composer's base, adapter off) scoring each rollout's action tokens.

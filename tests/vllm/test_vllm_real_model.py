@@ -20,6 +20,7 @@ from lopd.envs import get_env
 from lopd.latent import ReferenceFormat, insert_reference
 from lopd.rollout import SamplingParams, TransformersEngine
 from lopd.rollout.vllm_engine import VLLMEngine, serving_dtype
+from lopd.teacher import rollout_logprobs
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BF16_MEAN_GAP = 0.1
@@ -53,14 +54,6 @@ def episodes(engine, tokenizer, env, tasks):
     policy = policies.ModelPolicy(engine, tokenizer, SamplingParams(temperature=0))
     return agent.run_episodes(env, tasks, policy, tokenizer, max_turns=2, max_new_tokens=24,
                               batch_size=len(tasks))
-
-
-def scored(model, ids, mask):
-    """log-probs of the action tokens of ``ids`` under one full forward of ``model``."""
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0, :-1].float()
-    logprobs = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
-    return logprobs[torch.tensor(mask[1:], dtype=torch.bool)].tolist()
 
 
 def test_float32_episodes_and_latents_equal_the_transformers_engine(smollm2, tasks):
@@ -111,9 +104,9 @@ def test_bfloat16_serving_is_chosen_only_by_bf16_mixed_and_its_logprob_gap(smoll
     finally:
         engine.close()
     gaps = []
-    for rollout in ours:
+    for rollout, reference in zip(ours, rollout_logprobs(model, ours, tokenizer.pad_token_id)):
         assert sum(rollout.action_mask) > 10
-        reference = scored(model, rollout.input_ids, rollout.action_mask)
+        reference = reference.tolist()
         # Rollout.logprobs runs along input_ids (0 off the actions): the action positions.
         reported = [lp for lp, m in zip(rollout.logprobs[1:], rollout.action_mask[1:]) if m]
         assert len(reported) == len(reference)
