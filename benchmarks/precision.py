@@ -16,6 +16,11 @@ alternate run by run, so a machine that slows down does so for both. The CPU's b
 unit (``lopd.runtime.cpu_bf16_units``) and what ``run.precision: auto`` chooses for each model are
 printed first.
 
+``--trainer-steps N``: N whole training steps (rollouts, the update, everything a step does) of
+GRPO and of LOPD on ``--trainer-config`` (default the tiny preset, on its embedded composer and
+bank) in each precision, four trainers interleaved step by step: what ``auto``'s choice for the
+1M models is decided on.
+
 ``--vllm-episodes N`` (in ``.venv-vllm``): N greedy episodes served by vLLM in bfloat16, its
 reported log-probs against the float32 and the bf16 model's on the same tokens.
 
@@ -30,16 +35,21 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from lopd import agent, models, policies, runtime
+from lopd import agent, models, policies, runtime, stages
+from lopd.algorithms import get_algorithm
+from lopd.config import load_config
 from lopd.envs import get_env
 from lopd.rollout import SamplingParams, TransformersEngine
 from lopd.tables import format_table, write_json
 from lopd.teacher import rollout_logprobs
+from lopd.trainer import Trainer
 
 PRECISIONS = ("fp32", "bf16-mixed")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -138,6 +148,37 @@ def vllm_bf16_difference(model, tokenizer, episodes: int) -> dict:
     return out
 
 
+def trainer_steps(config: str, steps: int, precisions: list[str]) -> dict:
+    """Whole training steps (rollouts included) of GRPO and LOPD on ``config`` in each precision:
+    one trainer per (method, precision), steps interleaved, the first one warm-up."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from step_cost import one_step
+
+    cfg = load_config(config)
+    composer, bank = stages.embedded_assets(cfg)
+    times: dict[str, dict[str, list[float]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        trainers = {}
+        for method in ("grpo", "lopd"):
+            for precision in precisions:
+                sets = [f"train.algorithm={method}", f"run.precision={precision}",
+                        f"lopd.composer={composer}", f"lopd.bank={bank}",
+                        f"train.max_steps={steps + 1}"]
+                trainers[method, precision] = Trainer(load_config(config, sets),
+                                                      Path(tmp) / f"{method}-{precision}",
+                                                      get_algorithm(method), progress=False)
+                times.setdefault(method, {})[precision] = []
+        for step in range(1, steps + 2):
+            for (method, precision), trainer in trainers.items():
+                seconds = one_step(trainer, step)["time/step"]
+                if step > 1:
+                    times[method][precision].append(seconds)
+    return {"config": config, "rollouts_per_step": cfg.train.rollouts_per_step,
+            "threads": cfg.run.num_threads, "runs": times,
+            "seconds": {m: {p: statistics.median(v) for p, v in by.items()}
+                        for m, by in times.items()}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="runs/models/smollm2-135m",
@@ -155,6 +196,10 @@ def main() -> None:
     parser.add_argument("--vllm-episodes", type=int, default=0,
                         help="also serve the real model with vLLM in bfloat16 (.venv-vllm) for this "
                         "many greedy episodes and compare its log-probs")
+    parser.add_argument("--trainer-steps", type=int, default=0,
+                        help="also time this many whole GRPO and LOPD training steps (rollouts "
+                        "included) of --trainer-config in each precision, interleaved")
+    parser.add_argument("--trainer-config", default="tiny")
     parser.add_argument("--json", type=Path, help="write every figure here")
     args = parser.parse_args()
     args.precisions = [p for p in PRECISIONS if p in args.precisions]   # float32 first
@@ -207,6 +252,17 @@ def main() -> None:
         print(f"bf16 weights vs float32, log-prob of {diff['action_tokens']} sampled action tokens "
               f"({diff['episodes']} episodes): mean |d| {diff['mean_abs']:.4f}, p99 "
               f"{diff['p99_abs']:.4f}, max {diff['max_abs']:.4f}, mean d {diff['mean_signed']:+.4f}")
+    if args.trainer_steps:
+        got = out["trainer_steps"] = trainer_steps(args.trainer_config, args.trainer_steps,
+                                                   args.precisions)
+        rows = [[method, *(f"{by[p]:.3f}" for p in args.precisions),
+                 *([f"{by['fp32'] / by['bf16-mixed']:.2f}"] if len(by) == 2 else [])]
+                for method, by in got["seconds"].items()]
+        print(format_table(["method", *(names[p] for p in args.precisions),
+                            *(["speed-up of bf16"] if len(args.precisions) == 2 else [])], rows,
+                           title=f"whole training steps of {args.trainer_config} "
+                           f"({got['rollouts_per_step']} rollouts, {got['threads']} thread(s)), "
+                           f"medians of {args.trainer_steps} after a warm-up step"))
     if args.vllm_episodes:
         model, tokenizer = models.load_model(args.model)
         got = out["vllm_bf16"] = vllm_bf16_difference(model.eval(), tokenizer, args.vllm_episodes)

@@ -7,9 +7,10 @@ Each setting trains ``--steps`` steps of ``--batch`` oracle transcripts (~1,000 
 toolworld with SmolLM2's tool template) from ``--model`` (default: the folder `make smollm2`
 prepares) in its own process, with one one-turn validation task so that the run ends as a real one
 does; the process's peak resident memory (``wait4``'s ``ru_maxrss``) and the mean step time are
-reported. Settings: the whole batch in one pass (the warm-up before micro-batches), activation
-checkpointing, and checkpointing with micro-batches of 2 (the ``smollm2-135m`` preset); with
-``--bf16`` also the last under bf16-mixed (slow on CPUs without bfloat16 units).
+reported. Settings, in float32: the whole batch in one pass (the warm-up before micro-batches),
+activation checkpointing, and checkpointing with micro-batches of 2 (the ``smollm2-135m``
+preset's); then the last under bf16-mixed (what ``run.precision: auto`` gives the preset on a CPU
+with bfloat16 units: run by default there, with ``--bf16`` elsewhere, where it is slow).
 """
 
 from __future__ import annotations
@@ -22,15 +23,21 @@ import sys
 import tempfile
 from pathlib import Path
 
+from lopd import runtime
 from lopd.tables import format_table, write_json
 
+FP32 = "run.precision=fp32"
 SETTINGS = {
-    "one pass (before)": ["train.per_device_train_batch_size=0",
-                          "train.gradient_checkpointing=false"],
-    "checkpointing": ["train.per_device_train_batch_size=0", "train.gradient_checkpointing=true"],
-    "checkpointing, micro-batches of 2": ["train.per_device_train_batch_size=2",
-                                          "train.gradient_checkpointing=true"],
+    "one pass, float32 (before)": ["train.per_device_train_batch_size=0",
+                                   "train.gradient_checkpointing=false", FP32],
+    "checkpointing, float32": ["train.per_device_train_batch_size=0",
+                               "train.gradient_checkpointing=true", FP32],
+    "checkpointing, micro-batches of 2, float32": ["train.per_device_train_batch_size=2",
+                                                   "train.gradient_checkpointing=true", FP32],
 }
+BF16 = {"checkpointing, micro-batches of 2, bf16-mixed": [
+    "train.per_device_train_batch_size=2", "train.gradient_checkpointing=true",
+    "run.precision=bf16-mixed"]}
 
 
 def run(model: str, sets: list[str], steps: int, batch: int, threads: int) -> dict:
@@ -64,14 +71,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--bf16", action="store_true", help="also bf16-mixed with micro-batches")
+    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                        help="also bf16-mixed with micro-batches (default: where the CPU has "
+                        "bfloat16 units)")
     parser.add_argument("--only", nargs="+", help="run only these settings (names as printed)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     settings = dict(SETTINGS)
-    if args.bf16:
-        settings["bf16-mixed, checkpointing, micro-batches of 2"] = [
-            *SETTINGS["checkpointing, micro-batches of 2"], "run.precision=bf16-mixed"]
+    if args.bf16 or (args.bf16 is None and runtime.cpu_bf16_units()[0] is not None):
+        settings.update(BF16)
     if args.only:
         settings = {k: v for k, v in settings.items() if k in args.only}
     results, rows = {}, []
