@@ -2,7 +2,7 @@
 training step of the tiny default and of a real model, and the log-prob difference of bf16
 rollouts.
 
-    python benchmarks/precision.py --json docs/results/precision/precision.json
+    python benchmarks/precision.py --repeats 6 --json docs/results/precision/amx-precision.json
 
 For each model (the embedded toolworld-1m and ``--model``, default the SmolLM2 folder
 ``make smollm2`` prepares) and each precision, the same ``--batch`` x ``--tokens`` random tokens:
