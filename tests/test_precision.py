@@ -135,3 +135,30 @@ def test_a_whole_lopd_training_step_runs_in_each_precision(tmp_path, precision):
             f"run.precision={precision}"]
     last = trainer.train(load_config("tiny", sets), tmp_path / "run", "lopd", progress=False)
     assert last["step"] == 1 and last["kl"] >= 0 and last["student/skipped_updates"] == 0
+
+
+def weight_casts(model, tokenizer, n_tokens: int) -> tuple[int, int]:
+    """(tokens generated, casts of a 2-D weight) for one greedy call under bf16 autocast."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from lopd.rollout import SamplingParams, TransformersEngine
+
+    engine = TransformersEngine(model, tokenizer)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "find order 7"}],
+                                           add_generation_prompt=True, tokenize=True,
+                                           return_dict=False)
+    shapes = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
+    with torch.autocast("cpu", dtype=torch.bfloat16), \
+            profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        got = engine.generate([prompt] * 2, SamplingParams(temperature=0, max_new_tokens=n_tokens))
+    casts = sum(1 for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes
+                and tuple(e.input_shapes[0]) in shapes)
+    return len(got[0].token_ids), casts
+
+
+def test_generation_under_bf16_autocast_casts_each_weight_once_not_once_per_token():
+    model, tokenizer = models.load_model("toolworld-1m")
+    weights = sum(1 for p in model.parameters() if p.dim() == 2)
+    tokens, casts = weight_casts(model, tokenizer, 12)
+    assert tokens > 4
+    assert casts == weights
