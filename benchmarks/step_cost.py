@@ -13,8 +13,13 @@ the largest resident memory seen at the end of its steps (one process holds ever
 is the process's, not the method's; on a GPU the method's own peak CUDA allocation is given). The
 LOPD/GRPO ratio of the medians is printed last.
 
-LOPD uses the embedded cold-started composer and bank (``--composer``/``--bank`` for others); SDFT
+LOPD uses the embedded cold-started composer and bank (``--composer``/``--bank`` for others); on a
+real model (``--model DIR``, e.g. the SmolLM2 folder ``make smollm2`` prepares, on the
+``smollm2-135m`` preset) an untrained composer over the model itself and a bank of one oracle
+episode per training task, built first: the step's cost, not its learning, is measured. SDFT
 and OPSD read the environment's oracle; no evaluation or checkpoint is made.
+
+    python benchmarks/step_cost.py --model runs/models/smollm2-135m --methods grpo,lopd
 """
 
 from __future__ import annotations
@@ -27,10 +32,13 @@ from pathlib import Path
 
 import torch
 
-from lopd import runtime, stages
+from lopd import agent, policies, runtime, stages
 from lopd.algorithms import get_algorithm
 from lopd.algorithms.base import StepBatch
+from lopd.composer import Composer
 from lopd.config import load_config
+from lopd.embedding import EmbedderSpec, load_embedder
+from lopd.experience import ExperienceBank
 from lopd.tables import format_table, write_json
 from lopd.trainer import Trainer, step_seed
 
@@ -68,12 +76,32 @@ def one_step(trainer: Trainer, step: int) -> dict:
     return record
 
 
+def lopd_inputs(cfg, work: Path) -> tuple[Path, Path]:
+    """(composer, bank) for LOPD: the embedded cold-started ones for the embedded 1M model;
+    otherwise, as gpu_check.py builds them, an untrained composer over the model itself (seed 0)
+    and a bank of one oracle episode per training task."""
+    if (cfg.model.name_or_path, cfg.env.name) == stages.EMBEDDED_FOR:
+        return stages.embedded_assets(cfg)
+    env = stages.get_env(cfg)
+    tasks = env.tasks("train")
+    base, tokenizer = stages.load_model(cfg, device=torch.device("cpu"))
+    gold = agent.run_episodes(env, tasks, policies.OraclePolicy(), tokenizer, 8, 96, len(tasks))
+    embedder = load_embedder(EmbedderSpec(kind=cfg.bank.embedder), device=torch.device("cpu"))
+    with ExperienceBank.create(work / "bank", embedder) as bank:
+        bank.add_rollouts(gold, {t.task_id: t for t in tasks}, source="oracle")
+    torch.manual_seed(0)
+    Composer(base, tokenizer, cfg.composer).save(work / "composer")
+    return work / "composer", work / "bank"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=6, help="steps per method (the first is "
                         "warm-up)")
     parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--config", default="tiny")
+    parser.add_argument("--model", help="a prepared real model folder (e.g. the one `make smollm2` "
+                        "writes); the config then defaults to smollm2-135m")
+    parser.add_argument("--config", help="the preset (default: tiny; smollm2-135m with --model)")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--composer", help="LOPD's composer (default: the embedded one)")
     parser.add_argument("--bank", help="LOPD's bank (default: the embedded one)")
@@ -86,13 +114,16 @@ def main() -> None:
     if unknown or "grpo" not in methods or "lopd" not in methods:
         parser.error(f"--methods: choose from {','.join(METHODS)}, grpo and lopd included")
 
+    args.config = args.config or ("smollm2-135m" if args.model else "tiny")
+    if args.model:
+        args.overrides = [f"model.name_or_path={args.model}", *args.overrides]
     cfg = load_config(args.config, args.overrides)
-    composer, bank = (args.composer, args.bank) if args.composer and args.bank else \
-        stages.embedded_assets(cfg)
-    sets = [*args.overrides, f"lopd.composer={composer}", f"lopd.bank={bank}",
-            f"train.max_steps={args.steps}"]
     records: dict[str, list[dict]] = {m: [] for m in methods}
     with tempfile.TemporaryDirectory() as tmp:
+        composer, bank = (args.composer, args.bank) if args.composer and args.bank else \
+            lopd_inputs(cfg, Path(tmp))
+        sets = [*args.overrides, f"lopd.composer={composer}", f"lopd.bank={bank}",
+                f"train.max_steps={args.steps}"]
         trainers = {m: Trainer(load_config(args.config, [*sets, f"train.algorithm={m}"]),
                                Path(tmp) / m, get_algorithm(m), progress=False)
                     for m in methods}
