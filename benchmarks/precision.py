@@ -161,7 +161,10 @@ def trainer_steps(config: str, steps: int, precisions: list[str]) -> dict:
         trainers = {}
         for method in ("grpo", "lopd"):
             for precision in precisions:
+                # Rollouts from the trained weights in each precision (under bf16-mixed: float32
+                # weights under autocast); the bfloat16 weight copy is measured by step_cost.py.
                 sets = [f"train.algorithm={method}", f"run.precision={precision}",
+                        "rollout.generation_weights=master",
                         f"lopd.composer={composer}", f"lopd.bank={bank}",
                         f"train.max_steps={steps + 1}"]
                 trainers[method, precision] = Trainer(load_config(config, sets),

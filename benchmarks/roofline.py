@@ -31,7 +31,8 @@ Three measurements, in one process:
    (:class:`multiturn_cache.ForwardClock`); the rest of the rollout is sampling, the
    environment and the chat template. "rest of the step" is the step's time outside all phases.
 3. **Generation.** lopd's :class:`~lopd.rollout.TransformersEngine` over the GRPO trainer's
-   student (float32 weights under the run's autocast, as the trainer's rollouts run), on the
+   student (float32 weights under the run's autocast, as the steps of 2. generate with
+   ``rollout.generation_weights=master``, which this script sets), on the
    first-turn prompts of ``--batch`` toolworld tasks, generating ``--new-tokens`` tokens per
    prompt at T = 1 with the stop tokens turned off (every row decodes all of them, so the batch
    stays full), after a 2-token warm-up. The engine has no hook between prefill and decode; its
@@ -424,7 +425,10 @@ def main() -> None:
                        [[p["dtype"], p["threads"], p["size"], round(p["gflops"], 1)]
                         for p in peaks], title="square matmul peak"))
 
+    # The FLOP hooks watch the student itself: its rollouts are generated from it (float32 weights
+    # under autocast), not from the bfloat16 copy that rollout.generation_weights=auto makes.
     sets = [f"model.name_or_path={args.model}", "run.device=cpu", f"run.precision={precision}",
+            "rollout.generation_weights=master",
             f"run.num_threads={args.threads}", f"train.rollouts_per_step={args.rollouts}",
             f"train.max_steps={args.steps}"]
     if args.max_new_tokens:

@@ -44,7 +44,10 @@ the wrapped forward. (TRL's cast of the model to bfloat16 is on its continuous-b
 path only, which is off.) Checked at run time as well: a pre-hook on each model's decoder records,
 for every forward pass with and without gradients, the autocast dtype in force, and after the
 warm-up step the run stops unless both sides show float32 weights and the resolved precision's
-autocast (bfloat16 for bf16-mixed, none for fp32) in generation and in training.
+autocast (bfloat16 for bf16-mixed, none for fp32) in generation and in training. lopd's rollouts
+are therefore generated from its float32 weights under autocast (``rollout.generation_weights=
+master``), as TRL's are: lopd's default on a CPU under bf16-mixed, a bfloat16 copy of the weights
+refreshed after each update, decodes ~3x faster and has no counterpart in TRL.
 
 The prompts are single-turn and the same on both sides: step s takes the task groups lopd's
 trainer draws for step s (:meth:`lopd.trainer.Trainer.step_tasks`), each task's first-turn
@@ -493,7 +496,7 @@ def main() -> None:
     config = args.config or ("smollm2-135m" if args.model else "tiny")
     model_path = [f"model.name_or_path={args.model}"] if args.model else []
     sets = [*args.overrides, *model_path, "train.algorithm=grpo", "rollout.max_turns=1",
-            f"train.max_steps={args.steps}"]
+            "rollout.generation_weights=master", f"train.max_steps={args.steps}"]
     cfg = load_config(config, sets)
     if cfg.grpo.num_iterations != 1:
         parser.error("grpo.num_iterations must be 1: TRL spreads several iterations over several "

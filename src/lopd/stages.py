@@ -91,6 +91,9 @@ ENGINES = _engines()
 def check_engine(rollout_cfg) -> None:
     """Refuse, at start-up, a ``rollout.engine`` no engine implements (or whose library is
     missing, saying how to install it), and ``rollout.vllm_sleep`` where vLLM has no sleep mode."""
+    if rollout_cfg.engine == "vllm" and rollout_cfg.generation_weights == "bf16-copy":
+        raise ConfigError("rollout.generation_weights=bf16-copy is a transformers-engine setting: "
+                          "with rollout.engine=vllm the served dtype is rollout.vllm_dtype")
     if rollout_cfg.engine in ENGINES:
         if rollout_cfg.engine == "vllm" and rollout_cfg.vllm_sleep:
             from lopd.rollout.vllm_engine import check_sleep_mode
@@ -130,7 +133,37 @@ def make_engine(rollout_cfg, model, tokenizer, precision: str = "auto", train: b
             sleep=sleep)
     from lopd.rollout import TransformersEngine
 
-    return TransformersEngine(model, tokenizer)
+    return TransformersEngine(model, tokenizer,
+                              weights_dtype=generation_dtype(rollout_cfg, model, precision))
+
+
+def generation_dtype(rollout_cfg, model, precision: str = "auto") -> torch.dtype | None:
+    """The dtype of the weight copy the transformers engine generates from
+    (``rollout.generation_weights``), None to generate from ``model`` itself. A refused
+    'bf16-copy' stops with the reason; 'auto' falls back to the model's own weights."""
+    import torch
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from torch.distributed.tensor import DTensor
+
+    from lopd import runtime
+
+    choice = rollout_cfg.generation_weights
+    if choice == "master":
+        return None
+    weights = next(model.parameters())
+    resolved = runtime.resolve_precision(precision, weights.device, runtime.hidden_size(model))
+    refused = []
+    if resolved != "bf16-mixed":
+        refused.append(f"run.precision resolves to {resolved} (the copy is bf16-mixed's)")
+    if any(isinstance(m, BaseTunerLayer) for m in model.modules()):
+        refused.append("the model has LoRA adapters, whose on/off state a copy would not follow")
+    if isinstance(weights, DTensor):
+        refused.append("the model's weights are sharded (train.parallel=fsdp2)")
+    if refused and choice == "bf16-copy":
+        raise ConfigError(f"rollout.generation_weights=bf16-copy is refused: {'; '.join(refused)}")
+    if refused or (choice == "auto" and weights.device.type != "cpu"):
+        return None
+    return torch.bfloat16
 
 
 def sync_engine(engine, model) -> None:

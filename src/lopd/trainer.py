@@ -369,6 +369,12 @@ class Trainer:
         self.setup_generations = self.algorithm.setup_rollouts()
         self.engine = stages.make_engine(cfg.rollout, student, tokenizer, self.precision,
                                            train=True)
+        if world.is_main and self.progress and self.precision == "bf16-mixed" \
+                and cfg.rollout.engine == "transformers":
+            copied = self.engine.model is not student
+            print("rollouts: " + ("from a bfloat16 copy of the student, refreshed after each update"
+                                  if copied else "from the student's weights under bf16 autocast")
+                  + f" (rollout.generation_weights={cfg.rollout.generation_weights})")
         self.start_step, self.generations = 0, 0
         if checkpoint is not None:
             self._restore(checkpoint, state)
