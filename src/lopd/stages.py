@@ -18,8 +18,12 @@ import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lopd.config import Config, ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 # ----------------------------------------------------------------------------------------------
 # Embedded assets
