@@ -157,6 +157,26 @@ def test_rollout_engine_vllm_without_vllm_says_how_to_install(monkeypatch):
     stages.check_engine(RolloutConfig(engine="transformers"))
 
 
+def test_rollout_engine_auto_takes_vllm_where_installed_and_supported(monkeypatch):
+    from lopd import stages
+    from lopd.config import RolloutConfig
+
+    auto = RolloutConfig(engine="auto")
+    monkeypatch.setattr(stages, "ENGINES", ("transformers",))
+    assert stages.engine_name(auto) == ("transformers", "auto: vLLM is not installed here")
+    stages.check_engine(auto)
+    monkeypatch.setattr(stages, "ENGINES", ("transformers", "vllm"))
+    assert stages.engine_name(auto) == ("vllm", "auto: vLLM is installed")
+    name, why = stages.engine_name(auto, fsdp2=True)
+    assert name == "transformers" and "fsdp2" in why
+    copy = RolloutConfig(engine="auto", generation_weights="bf16-copy")
+    assert stages.engine_name(copy)[0] == "transformers"
+    stages.check_engine(copy)
+    # An explicit choice is kept as it is.
+    assert stages.engine_name(RolloutConfig(engine="transformers")) == (
+        "transformers", "rollout.engine=transformers")
+
+
 def test_vllm_weights_of_plain_injected_and_peft_models(tiny_model):
     """What the vLLM engine serves (lopd.rollout.vllm_engine.hf_weights, no vLLM needed): a plain
     model's weights with the tied head; a bare model with an injected adapter as its base (the

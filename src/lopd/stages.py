@@ -92,35 +92,54 @@ ENGINES = _engines()
 ("vllm" only where vLLM can be imported)."""
 
 
-def check_engine(rollout_cfg) -> None:
+def engine_name(rollout_cfg, fsdp2: bool = False) -> tuple[str, str]:
+    """(the engine ``rollout.engine`` names here, why): 'auto' is vllm where vLLM is installed
+    and supports the run, else transformers; ``fsdp2``: the student is sharded over several
+    processes (train.parallel=fsdp2), which vLLM does not support."""
+    choice = rollout_cfg.engine
+    if choice != "auto":
+        return choice, f"rollout.engine={choice}"
+    if "vllm" not in ENGINES:
+        return "transformers", "auto: vLLM is not installed here"
+    if fsdp2:
+        return "transformers", "auto: vLLM does not serve a student sharded by train.parallel=fsdp2"
+    if rollout_cfg.generation_weights == "bf16-copy":
+        return "transformers", "auto: rollout.generation_weights=bf16-copy is the transformers engine's"
+    return "vllm", "auto: vLLM is installed"
+
+
+def check_engine(rollout_cfg, fsdp2: bool = False) -> None:
     """Refuse, at start-up, a ``rollout.engine`` no engine implements (or whose library is
     missing, saying how to install it), and ``rollout.vllm_sleep`` where vLLM has no sleep mode."""
-    if rollout_cfg.engine == "vllm" and rollout_cfg.generation_weights == "bf16-copy":
+    engine, _ = engine_name(rollout_cfg, fsdp2)
+    if engine == "vllm" and rollout_cfg.generation_weights == "bf16-copy":
         raise ConfigError("rollout.generation_weights=bf16-copy is a transformers-engine setting: "
                           "with rollout.engine=vllm the served dtype is rollout.vllm_dtype")
-    if rollout_cfg.engine in ENGINES:
-        if rollout_cfg.engine == "vllm" and rollout_cfg.vllm_sleep:
+    if engine in ENGINES:
+        if engine == "vllm" and rollout_cfg.vllm_sleep:
             from lopd.rollout.vllm_engine import check_sleep_mode
 
             check_sleep_mode()
         return
-    if rollout_cfg.engine == "vllm":
+    if engine == "vllm":
         from lopd.rollout.vllm_engine import INSTALL_HINT
 
         raise ConfigError(f"rollout.engine='vllm' needs vLLM, which is not installed here: "
                           f"{INSTALL_HINT}; available: {', '.join(ENGINES)}")
-    raise ConfigError(f"rollout.engine={rollout_cfg.engine!r} is not available: lopd has no "
-                      f"{rollout_cfg.engine} engine yet; available: {', '.join(ENGINES)}")
+    raise ConfigError(f"rollout.engine={engine!r} is not available: lopd has no "
+                      f"{engine} engine yet; available: {', '.join(ENGINES)}")
 
 
-def make_engine(rollout_cfg, model, tokenizer, precision: str = "auto", train: bool = False):
-    """The rollout engine named by ``rollout.engine`` over ``model`` (kept resident). An engine
+def make_engine(rollout_cfg, model, tokenizer, precision: str = "auto", train: bool = False,
+                fsdp2: bool = False):
+    """The rollout engine ``rollout.engine`` names (:func:`engine_name`) over ``model`` (kept
+    resident; ``fsdp2``: sharded over several processes). An engine
     that holds its own copy of the weights (vLLM) must be told of every update of ``model``:
     :func:`sync_engine` after each optimiser step. ``precision``: the run's (``run.precision``),
     which decides vLLM's served dtype; ``train``: ``model`` is the student the caller updates
     (vLLM keeps room for the update, or sleeps through it with ``rollout.vllm_sleep``)."""
-    check_engine(rollout_cfg)
-    if rollout_cfg.engine == "vllm":
+    check_engine(rollout_cfg, fsdp2)
+    if engine_name(rollout_cfg, fsdp2)[0] == "vllm":
         from lopd import runtime
         from lopd.rollout.vllm_engine import UPDATE_WEIGHT_COPIES, VLLMEngine, serving_dtype
 

@@ -367,14 +367,18 @@ class Trainer:
                                 self.precision, world, self.wrapped, validation)
         self.algorithm = self.algorithm_cls(self.ctx, checkpoint)
         self.setup_generations = self.algorithm.setup_rollouts()
+        fsdp2 = world.enabled and world.parallel == "fsdp2"
         self.engine = stages.make_engine(cfg.rollout, student, tokenizer, self.precision,
-                                           train=True)
-        if world.is_main and self.progress and self.precision == "bf16-mixed" \
-                and cfg.rollout.engine == "transformers":
-            copied = self.engine.model is not student
-            print("rollouts: " + ("from a bfloat16 copy of the student, refreshed after each update"
-                                  if copied else "from the student's weights under bf16 autocast")
-                  + f" (rollout.generation_weights={cfg.rollout.generation_weights})")
+                                           train=True, fsdp2=fsdp2)
+        if world.is_main and self.progress:
+            name, why = stages.engine_name(cfg.rollout, fsdp2)
+            weights = ""
+            if name == "transformers" and self.precision == "bf16-mixed":
+                weights = (", from a bfloat16 copy of the student refreshed after each update"
+                           if self.engine.model is not student
+                           else ", from the student's weights under bf16 autocast")
+                weights += f" (rollout.generation_weights={cfg.rollout.generation_weights})"
+            print(f"rollouts: {name} engine ({why}){weights}")
         self.start_step, self.generations = 0, 0
         if checkpoint is not None:
             self._restore(checkpoint, state)
