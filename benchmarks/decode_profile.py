@@ -15,7 +15,9 @@ the bytes of weights it reads (every matmul reads its whole weight for a batch t
 the bytes of keys and values its attention reads (every row its own cache: batch × layers × 2 ×
 kv heads × context × head dim). Then the attention of one layer alone, as the step runs it
 (``scaled_dot_product_attention`` on the folded GQA query, with the padding mask) and without the
-mask, timed on tensors of the step's shapes.
+mask, timed on tensors of the step's shapes. Last, the dtypes of the key/value cache that the
+float32 model leaves under bf16 autocast (the trainer's path with
+``rollout.generation_weights=master``), read after one forward of a prompt.
 """
 
 from __future__ import annotations
@@ -99,6 +101,15 @@ def attention_alone(model, batch: int, context: int, dtype) -> dict:
             "masked_gb_per_s": kv_bytes / masked / 1e9, "unmasked_gb_per_s": kv_bytes / plain / 1e9}
 
 
+def autocast_cache_dtypes(model, prompt: list[int]) -> dict:
+    """Dtypes of the first layer's cached keys and values after a forward of the float32
+    ``model`` on ``prompt`` under bf16 autocast."""
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        cache = model(input_ids=torch.tensor([prompt]), use_cache=True).past_key_values
+    layer = cache.layers[0]
+    return {"keys": str(layer.keys.dtype), "values": str(layer.values.dtype)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="runs/models/smollm2-135m")
@@ -141,6 +152,7 @@ def main() -> None:
     kv_bytes = (args.batch * config.num_hidden_layers * 2 * config.num_key_value_heads * context
                 * dim * engine.weights_dtype.itemsize)
     attention = attention_alone(engine.model, args.batch, context, engine.weights_dtype)
+    autocast_cache = autocast_cache_dtypes(model, prompts[0][:64])
     print(f"{args.batch} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
           f"{args.threads} thread(s), weights {engine.weights_dtype}; decode step "
           f"{step_ms:.1f} ms (mean of {steps}, under the profiler)")
@@ -155,12 +167,15 @@ def main() -> None:
     print(f"one layer's attention alone: KV {attention['kv_mib_per_layer']:.1f} MiB, with the "
           f"padding mask {attention['masked_ms']:.2f} ms ({attention['masked_gb_per_s']:.1f} GB/s), "
           f"without {attention['unmasked_ms']:.2f} ms ({attention['unmasked_gb_per_s']:.1f} GB/s)")
+    print(f"the float32 model under bf16 autocast caches keys in {autocast_cache['keys']} and "
+          f"values in {autocast_cache['values']}")
     if args.json_path:
         write_json(args.json_path, {"settings": vars(args), "prompt_tokens": [len(p) for p in prompts],
                                     "decode_step_ms": step_ms, "decode_steps": steps,
                                     "prefill_ms": total["PREFILL"] / 1e3, "operators": ops,
                                     "shapes": shapes, "weight_mib": weight_bytes / 2**20,
-                                    "kv_mib": kv_bytes / 2**20, "attention_one_layer": attention})
+                                    "kv_mib": kv_bytes / 2**20, "attention_one_layer": attention,
+                                    "autocast_cache_dtypes": autocast_cache})
 
 
 if __name__ == "__main__":

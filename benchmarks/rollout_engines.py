@@ -21,11 +21,14 @@ Precisions (``--precisions``), in the ``precision`` column:
 * ``fp32``: float32 weights, no autocast, for every engine (vLLM serves ``dtype=torch.float32``).
 * ``bf16-mixed`` (transformers; ``model.generate`` with ``--hf-bf16 mixed``): float32 weights
   under ``torch.autocast('cpu', dtype=torch.bfloat16)`` entered once around the whole rollout
-  phase, as the trainer's ``rollouts()`` runs under ``run.precision=bf16-mixed``. Generation runs
+  phase, as the trainer's ``rollouts()`` runs under ``run.precision=bf16-mixed`` with
+  ``rollout.generation_weights=master`` (the default on GPUs). Generation runs
   under ``no_grad`` (not ``inference_mode``), so autocast keeps its bfloat16 copies of the weights
   for the phase instead of casting every weight at every decoded token.
 * ``bf16-weights`` (transformers with ``--transformers-bf16 weights``; ``model.generate``, the
-  default ``--hf-bf16``): a bfloat16 copy of the model (``model.to(torch.bfloat16)``), no autocast.
+  default ``--hf-bf16``): a bfloat16 copy of the model (``model.to(torch.bfloat16)``), no autocast
+  (for the transformers engine, what the trainer generates from on a CPU by default:
+  ``rollout.generation_weights=auto``).
   For ``model.generate`` this is the default because it is the faster realistic choice: no
   per-op casts or autocast dispatch, the same bfloat16 matmuls.
 * ``bf16-served`` (vLLM): the engine serves ``dtype=torch.bfloat16`` (``VLLMEngine(dtype=...)``,
@@ -60,8 +63,9 @@ from lopd.tables import format_table, write_json
 PRECISIONS = {
     "fp32": "float32 weights, no autocast",
     "bf16-mixed": "float32 weights under torch.autocast('cpu', bfloat16), no_grad: the trainer's "
-                  "bf16-mixed rollouts",
-    "bf16-weights": "bfloat16 weights (model.to(torch.bfloat16)), no autocast",
+                  "bf16-mixed rollouts with rollout.generation_weights=master",
+    "bf16-weights": "bfloat16 weights (model.to(torch.bfloat16)), no autocast: the trainer's "
+                    "bf16-mixed rollouts on a CPU by default (rollout.generation_weights=auto)",
     "bf16-served": "vLLM serving dtype=torch.bfloat16, called under the trainer's autocast",
 }
 """What each value of the ``precision`` column means."""
