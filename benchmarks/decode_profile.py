@@ -15,7 +15,8 @@ the bytes of weights it reads (every matmul reads its whole weight for a batch t
 the bytes of keys and values its attention reads (every row its own cache: batch × layers × 2 ×
 kv heads × context × head dim). Then the attention of one layer alone, as the step runs it
 (``scaled_dot_product_attention`` on the folded GQA query, with the padding mask) and without the
-mask, timed on tensors of the step's shapes. Last, the dtypes of the key/value cache that the
+mask, timed on tensors of the step's shapes; how many leading tokens each prompt shares with
+another prompt of the batch (keys and values every row reads again). Last, the dtypes of the key/value cache that the
 float32 model leaves under bf16 autocast (the trainer's path with
 ``rollout.generation_weights=master``), read after one forward of a prompt.
 """
@@ -101,6 +102,18 @@ def attention_alone(model, batch: int, context: int, dtype) -> dict:
             "masked_gb_per_s": kv_bytes / masked / 1e9, "unmasked_gb_per_s": kv_bytes / plain / 1e9}
 
 
+def shared_prefixes(prompts: list[list[int]]) -> list[int]:
+    """Per prompt, the longest prefix it shares with another prompt of the batch (tokens)."""
+    def common(a, b):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    return [max(common(p, q) for j, q in enumerate(prompts) if j != i)
+            for i, p in enumerate(prompts)]
+
+
 def autocast_cache_dtypes(model, prompt: list[int]) -> dict:
     """Dtypes of the first layer's cached keys and values after a forward of the float32
     ``model`` on ``prompt`` under bf16 autocast."""
@@ -153,6 +166,7 @@ def main() -> None:
                 * dim * engine.weights_dtype.itemsize)
     attention = attention_alone(engine.model, args.batch, context, engine.weights_dtype)
     autocast_cache = autocast_cache_dtypes(model, prompts[0][:64])
+    shared = shared_prefixes(prompts)
     print(f"{args.batch} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
           f"{args.threads} thread(s), weights {engine.weights_dtype}; decode step "
           f"{step_ms:.1f} ms (mean of {steps}, under the profiler)")
@@ -167,6 +181,8 @@ def main() -> None:
     print(f"one layer's attention alone: KV {attention['kv_mib_per_layer']:.1f} MiB, with the "
           f"padding mask {attention['masked_ms']:.2f} ms ({attention['masked_gb_per_s']:.1f} GB/s), "
           f"without {attention['unmasked_ms']:.2f} ms ({attention['unmasked_gb_per_s']:.1f} GB/s)")
+    print(f"each prompt shares {min(shared)}-{max(shared)} of its leading tokens with another "
+          f"prompt of the batch (median {sorted(shared)[len(shared) // 2]})")
     print(f"the float32 model under bf16 autocast caches keys in {autocast_cache['keys']} and "
           f"values in {autocast_cache['values']}")
     if args.json_path:
@@ -175,7 +191,8 @@ def main() -> None:
                                     "prefill_ms": total["PREFILL"] / 1e3, "operators": ops,
                                     "shapes": shapes, "weight_mib": weight_bytes / 2**20,
                                     "kv_mib": kv_bytes / 2**20, "attention_one_layer": attention,
-                                    "autocast_cache_dtypes": autocast_cache})
+                                    "autocast_cache_dtypes": autocast_cache,
+                                    "shared_prefix_tokens": shared})
 
 
 if __name__ == "__main__":
