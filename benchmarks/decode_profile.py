@@ -33,6 +33,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from lopd import chat, models, runtime, stages
 from lopd.config import load_config
+from lopd.latent import _common_prefix
 from lopd.rollout import SamplingParams, TransformersEngine
 from lopd.tables import format_table, write_json
 
@@ -104,13 +105,7 @@ def attention_alone(model, batch: int, context: int, dtype) -> dict:
 
 def shared_prefixes(prompts: list[list[int]]) -> list[int]:
     """Per prompt, the longest prefix it shares with another prompt of the batch (tokens)."""
-    def common(a, b):
-        n = 0
-        while n < min(len(a), len(b)) and a[n] == b[n]:
-            n += 1
-        return n
-
-    return [max(common(p, q) for j, q in enumerate(prompts) if j != i)
+    return [max(len(_common_prefix([p, q])) for j, q in enumerate(prompts) if j != i)
             for i, p in enumerate(prompts)]
 
 
