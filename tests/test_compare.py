@@ -239,3 +239,22 @@ def test_a_run_made_before_a_setting_existed_is_reused_at_that_settings_default(
                                       {}), run)
     with pytest.raises(ValueError, match=re.escape("(train.max_steps)")):
         check_reusable(cmp.run_config("tiny", ["train.max_steps=3"], "grpo", 0, {}), run)
+
+
+def test_a_sweep_scores_each_rate_once_at_its_end_on_validation_tasks(tmp_path):
+    from lopd.experiments.sweep import sweep
+    from lopd.trainer import EVAL_FILE, read_jsonl
+
+    sets = [f"{k}={v}" for k, v in {
+        "env.train_size": 40, "env.eval_size": 4, "env.pretrain_size": 0,
+        "train.rollouts_per_step": 4, "train.save_every": 2, "rollout.max_turns": 2,
+        "rollout.max_completion_length": 32, "rollout.batch_size": 4,
+        "grpo.num_generations": 2}.items()]
+    report = sweep("tiny", sets, "grpo", [1e-4, 3e-4], 2, 3, tmp_path / "sweep")
+    assert [r["learning_rate"] for r in report["runs"]] == [1e-4, 3e-4]
+    for rate in ("1e-04", "0.0003"):
+        evals = read_jsonl(tmp_path / "sweep" / f"grpo-lr{float(rate):g}" / EVAL_FILE)
+        # No evaluation of the untrained student: the sweep reads only the final one.
+        assert [(r["step"], r["episodes"]) for r in evals] == [(2, 3)]
+    best = max(report["runs"], key=lambda r: r["validation_mean_reward"])
+    assert report["best_learning_rate"] == best["learning_rate"]

@@ -178,6 +178,9 @@ class TrainConfig:
     max_steps: int = knob(50, "Training steps.", ge=1)
     eval_every: int = knob(10, "Evaluate on held-out tasks every this many steps (and at steps 0 "
                            "and max_steps).", ge=1)
+    eval_at_start: bool = knob(
+        True, "Evaluate the untrained student before the first step (the curves' first point). "
+        "`lopd sweep` turns it off: it reads only each run's final evaluation.")
     eval_tasks: int = knob(200, "Held-out (eval split) tasks per evaluation, the first ones of the "
                            "split (0 = all).", ge=0)
     eval_split: Literal["eval", "validation"] = knob(

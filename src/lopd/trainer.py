@@ -583,7 +583,7 @@ class Trainer:
         writer = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=self.start_step + 1
                                if self.start_step else None) if world.is_main else None
         metrics_path = self.run_dir / METRICS_FILE
-        if self.start_step == 0:
+        if self.start_step == 0 and cfg.train.eval_at_start:
             record = {"step": 0, "generations": 0, **self.evaluate(0)}
             self._log(record, writer, metrics_path)
         bar = tqdm(total=cfg.train.max_steps, initial=self.start_step, desc=f"train {self.algorithm.name}",

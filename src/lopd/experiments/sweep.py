@@ -1,6 +1,6 @@
 """The fair-tuning sweep: one run per learning rate, judged on training tasks held out as validation.
 
-Each run trains ``steps`` steps and is evaluated at its end on the last ``validation_tasks``
+Each run trains ``steps`` steps and is evaluated only at its end on the last ``validation_tasks``
 training tasks (``train.eval_split=validation``: they are left out of training), never on the eval
 split; the best final validation mean reward wins. Give every algorithm of a comparison the same
 grid, steps and validation tasks. Runs live in ``OUT/ALGO-lrRATE`` and are reused or resumed; the
@@ -26,7 +26,7 @@ def sweep(config: str | Path, overrides: list[str], algo: str, learning_rates: l
     rows = []
     for rate in learning_rates:
         sets = [*overrides, f"train.algorithm={algo}", f"train.learning_rate={rate}",
-                f"train.max_steps={steps}", f"train.eval_every={steps}",
+                f"train.max_steps={steps}", f"train.eval_every={steps}", "train.eval_at_start=false",
                 "train.eval_split=validation", f"train.eval_tasks={validation_tasks}"]
         cfg = load_config(config, sets)
         run_dir = out / f"{algo}-lr{rate:g}"
