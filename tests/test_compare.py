@@ -213,6 +213,27 @@ def test_a_tiny_comparison_runs_and_reuses_finished_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(stages, "evaluate_agent", lambda *a, **k: pytest.fail("cached"))
     cmp.compare("tiny", sets, ["base", "grpo", "lopd"], 2, out, {"grpo": 3e-4},
                 transfer=["codeworld"])
+    # --transfer-tasks: only the first N tasks; a cache of another task count is scored again.
+    monkeypatch.setattr(stages, "evaluate_agent", spy)
+    scored.clear()
+    few = cmp.compare("tiny", sets, ["base", "grpo", "lopd"], 2, out, {"grpo": 3e-4},
+                      transfer=["codeworld"], transfer_tasks=2)
+    assert len(scored) == 5 and few["transfer_tasks"] == 2
+    assert json.loads(stale.read_text())["tasks"] == 2
+    # A finished run kept without its checkpoints (records copied from another machine) is read
+    # from its cache; asked for another task count, the missing checkpoint is named.
+    import shutil
+
+    shutil.rmtree(out / "grpo" / "seed0" / "checkpoints")
+    monkeypatch.setattr(stages, "evaluate_agent", lambda *a, **k: pytest.fail("cached"))
+    kept = cmp.compare("tiny", sets, ["base", "grpo", "lopd"], 2, out, {"grpo": 3e-4},
+                       transfer=["codeworld"], transfer_tasks=2)
+    assert kept["per_seed"]["grpo"]["transfer"] == few["per_seed"]["grpo"]["transfer"]
+    with pytest.raises(FileNotFoundError, match="seed0 has no checkpoint"):
+        cmp.compare("tiny", sets, ["grpo"], 2, out, {"grpo": 3e-4}, transfer=["codeworld"],
+                    transfer_tasks=3)
+    with pytest.raises(ValueError, match="transfer_tasks must be >= 0"):
+        cmp.compare("tiny", sets, ["base"], 1, out, transfer=["codeworld"], transfer_tasks=-1)
     with pytest.raises(ValueError, match="transfer environments nope: choose from"):
         cmp.compare("tiny", sets, ["base"], 1, out, transfer=["nope"])
 

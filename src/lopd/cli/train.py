@@ -55,7 +55,8 @@ def cmd_compare(args) -> int:
 
     out = Path(args.out)
     report = compare(args.config, lopd_input_overrides(args), args.algos, args.seeds, out,
-                     _learning_rates(args.lr), jobs=args.jobs, transfer=args.transfer)
+                     _learning_rates(args.lr), jobs=args.jobs, transfer=args.transfer,
+                     transfer_tasks=args.transfer_tasks)
     print((out / "results.md").read_text())
     print(f"figures: {out / 'reward_vs_generations.png'}; all numbers: {out / 'results.json'}")
     write_json(args.json_path, report)
@@ -144,6 +145,9 @@ def register(sub) -> None:
                    metavar="ENVS", help="also score the base and every final student, greedy, on "
                    "these environments' eval splits (e.g. humaneval after codeworld): one more "
                    "column each")
+    p.add_argument("--transfer-tasks", type=int, default=0, metavar="N",
+                   help="score only the first N tasks of each --transfer environment's eval split "
+                   "(0 = all; BFCL's split interleaves its four subsets, so N/4 of each)")
 
     p = add_command(sub, "sweep", cmd_sweep,
                     "learning-rate sweep on a validation split of training tasks",

@@ -260,7 +260,8 @@ class BFCLEpisode(Episode):
 
 
 class BFCL(Environment):
-    """BFCL-v3 multi-turn. Splits: one per subset (200 tasks each) and ``eval`` = all four.
+    """BFCL-v3 multi-turn. Splits: one per subset (200 tasks each) and ``eval`` = all four,
+    interleaved task by task, so that its first N tasks hold N/4 of each subset.
 
     ``seed`` and ``sizes`` are accepted for the common environment signature and ignored: the
     benchmark is fixed."""
@@ -300,7 +301,9 @@ class BFCL(Environment):
 
     def tasks(self, split: str) -> list[Task]:
         if split == "eval":
-            return [t for s in SUBSETS for t in self._subset(s)]
+            # Interleaved (base 0, miss_func 0, miss_param 0, long_context 0, base 1, ...): the
+            # first N tasks of the split cover the four subsets evenly.
+            return [t for group in zip(*(self._subset(s) for s in SUBSETS)) for t in group]
         if split not in SUBSETS:
             raise ValueError(f"BFCL has no split {split!r}; splits: {', '.join(self.splits)}")
         return list(self._subset(split))

@@ -28,7 +28,10 @@ rollouts). Both are None when LOPD never reaches the reward or one of the two me
 ``transfer`` names other environments (e.g. ``humaneval`` after training on codeworld): the base
 and every run's final student are also scored, greedy, on each one's eval split (pass@1 for code
 environments, mean reward otherwise) and the table gains a column per environment. The scores are
-cached next to each run (``transfer-ENV.json``), so a re-run only scores what is new.
+cached next to each run (``transfer-ENV.json``), so a re-run only scores what is new;
+``transfer_tasks`` scores only the first that many tasks of each (BFCL's 800 multi-turn tasks take
+hours per model on a CPU). A finished run whose records were copied without its checkpoints is
+reused with its cached transfer scores.
 """
 
 from __future__ import annotations
@@ -148,19 +151,19 @@ def check_transfer(envs: list[str]) -> None:
 
 
 def transfer_score(config: str | Path, overrides: list[str], model_path: str | Path,
-                   env_name: str, cache: Path) -> dict:
-    """Greedy score of the model at ``model_path`` on ``env_name``'s eval split, under the
-    comparison's config with ``env.name`` replaced (cached in ``cache``, and scored again when the
-    cache holds another model, e.g. after the run was continued): ``score`` is pass@1 for code
-    environments and the mean reward otherwise."""
+                   env_name: str, cache: Path, limit: int = 0) -> dict:
+    """Greedy score of the model at ``model_path`` on the first ``limit`` tasks (0 = all) of
+    ``env_name``'s eval split, under the comparison's config with ``env.name`` replaced (cached in
+    ``cache``, and scored again when the cache holds another model or task count, e.g. after the
+    run was continued): ``score`` is pass@1 for code environments and the mean reward otherwise."""
     if cache.exists():
         cached = json.loads(cache.read_text())
-        if cached.get("model") == str(model_path):
+        if cached.get("model") == str(model_path) and cached.get("limit", 0) == limit:
             return cached
     cfg = load_config(config, [*overrides, f"env.name={env_name}"])
-    summary, _ = stages.evaluate_agent(cfg, "model", str(model_path), "eval")
+    summary, _ = stages.evaluate_agent(cfg, "model", str(model_path), "eval", limit=limit)
     code = env_name in stages.CODE_ENVS
-    record = {"env": env_name, "model": str(model_path),
+    record = {"env": env_name, "model": str(model_path), "limit": limit,
               "metric": "pass@1" if code else "mean reward",
               "score": summary["pass_at_k"]["pass@1"] if code else summary["mean_reward"],
               "mean_reward": summary["mean_reward"], "tasks": summary["tasks"],
@@ -177,16 +180,32 @@ def final_student(run_dir: Path) -> Path:
     return done[-1] / "student"
 
 
+def run_transfer_score(config: str | Path, overrides: list[str], run_dir: Path, env_name: str,
+                       limit: int = 0) -> dict:
+    """:func:`transfer_score` of a run's final student. A run kept without its checkpoints (its
+    records copied from another machine) is read from its cache, which must hold the same task
+    count; otherwise the missing checkpoint is named."""
+    cache = run_dir / f"transfer-{env_name}.json"
+    if not checkpoints(run_dir) and cache.exists():
+        cached = json.loads(cache.read_text())
+        if cached.get("limit", 0) == limit:
+            return cached
+    return transfer_score(config, overrides, final_student(run_dir), env_name, cache, limit)
+
+
 def compare(config: str | Path, overrides: list[str], algos: list[str], seeds: int, out: Path,
             learning_rates: dict[str, float] | None = None, jobs: int = 1,
-            transfer: list[str] = ()) -> dict:
-    """See the module docstring; ``jobs`` > 1 trains that many runs at once in subprocesses."""
+            transfer: list[str] = (), transfer_tasks: int = 0) -> dict:
+    """See the module docstring; ``jobs`` > 1 trains that many runs at once in subprocesses;
+    ``transfer_tasks`` > 0 scores only the first that many tasks of each transfer environment."""
     check_algos(algos)
     check_transfer(list(transfer))
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
+    if transfer_tasks < 0:
+        raise ValueError(f"transfer_tasks must be >= 0, got {transfer_tasks}")
     load_config(config, overrides)  # a bad key fails before any run starts
     learning_rates = learning_rates or {}
     out.mkdir(parents=True, exist_ok=True)
@@ -209,7 +228,8 @@ def compare(config: str | Path, overrides: list[str], algos: list[str], seeds: i
                 for domain, row in summary.get("per_domain", {}).items()}
             results[BASE]["transfer"] = {
                 env: [transfer_score(config, overrides, base_cfg.model.name_or_path, env,
-                                     out / BASE / f"transfer-{env}.json")["score"]] * seeds
+                                     out / BASE / f"transfer-{env}.json",
+                                     transfer_tasks)["score"]] * seeds
                 for env in transfer}
             continue
         per_seed = []
@@ -236,8 +256,7 @@ def compare(config: str | Path, overrides: list[str], algos: list[str], seeds: i
             domain: [f.get("per_domain", {}).get(domain, {}).get("mean_reward") for f in finals]
             for domain in finals[0].get("per_domain", {})}
         results[algo]["transfer"] = {
-            env: [transfer_score(config, overrides, final_student(run_dir), env,
-                                 run_dir / f"transfer-{env}.json")["score"]
+            env: [run_transfer_score(config, overrides, run_dir, env, transfer_tasks)["score"]
                   for run_dir in (out / algo / f"seed{seed}" for seed in range(seeds))]
             for env in transfer}
     table = {algo: {"mean_reward": _mean_std(r["mean_reward"]),
@@ -250,7 +269,8 @@ def compare(config: str | Path, overrides: list[str], algos: list[str], seeds: i
     ratio = rollout_ratio(curves, {a: r["setup_generations"] for a, r in results.items()})
     report = {"seeds": seeds, "algos": algos, "per_seed": results, "summary": table,
               "rollout_ratio": ratio, "notes": notes, "config": str(config),
-              "overrides": overrides, "transfer": list(transfer)}
+              "overrides": overrides, "transfer": list(transfer),
+              "transfer_tasks": transfer_tasks}
     (out / "results.json").write_text(json.dumps(report, indent=1))
     (out / "results.md").write_text(markdown(table, seeds, ratio, notes))
     plot(curves, results, ratio, out / "reward_vs_generations.png")
