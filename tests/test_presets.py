@@ -29,8 +29,7 @@ def test_preset_loads_validates_and_keeps_the_paper_values(preset, capsys):
     paper = {"train.learning_rate": 1e-5, "lopd.composer_learning_rate": 1e-5,
              "train.rollouts_per_step": 32, "grpo.num_generations": 4,
              "composer.num_latents": 32, "bank.n_ret": 3, "lopd.top_m": 20, "lopd.margin": 0.05,
-             "lopd.anchor_weight": 0.2, "lopd.dual_lr": 0.5, "cold_start.learning_rate": 1e-5,
-             "cold_start.batch_size": 8, "cold_start.max_grad_norm": 3.0}
+             "lopd.anchor_weight": 0.2, "lopd.dual_lr": 0.5, "cold_start.batch_size": 8, "cold_start.max_grad_norm": 3.0}
     values = cfg.to_dict()
     for key, expected in paper.items():
         section, name = key.split(".")
@@ -48,14 +47,15 @@ def test_the_smollm2_preset_marks_every_value_and_keeps_the_paper_ones():
     cfg = load_config("smollm2-135m")
     paper = {"train.learning_rate": 1e-5, "lopd.composer_learning_rate": 1e-5,
              "grpo.num_generations": 4, "bank.n_ret": 3, "lopd.top_m": 20, "lopd.margin": 0.05,
-             "lopd.anchor_weight": 0.2, "lopd.dual_lr": 0.5, "cold_start.learning_rate": 1e-5,
-             "cold_start.batch_size": 8, "cold_start.max_grad_norm": 3.0,
+             "lopd.anchor_weight": 0.2, "lopd.dual_lr": 0.5, "cold_start.batch_size": 8, "cold_start.max_grad_norm": 3.0,
              "composer.lora_r": 8, "composer.lora_alpha": 16}
     got = cfg.to_dict()
     for key, expected in paper.items():
         section, name = key.split(".")
         assert got[section][name] == pytest.approx(expected), key
     assert cfg.model.name_or_path == "runs/models/smollm2-135m" and cfg.run.precision == "auto"
+    # A choice, not the paper's 1e-5: the compressor starts from random weights (as the tiny one).
+    assert cfg.cold_start.learning_rate == pytest.approx(3e-4)
     assert 576 % cfg.composer.num_heads == 0            # SmolLM2's hidden size
     assert cfg.train.rollouts_per_step % cfg.grpo.num_generations == 0
 
