@@ -150,16 +150,28 @@ def check_transfer(envs: list[str]) -> None:
                          f"{sorted(REGISTRY)}")
 
 
+def _cached_transfer(cache: Path, limit: int, model_path: str | Path | None = None) -> dict | None:
+    """The cached transfer score in ``cache`` when it was scored on ``limit`` tasks (and of
+    ``model_path``, when given); else None."""
+    if not cache.exists():
+        return None
+    cached = json.loads(cache.read_text())
+    if cached.get("limit", 0) != limit:
+        return None
+    if model_path is not None and cached.get("model") != str(model_path):
+        return None
+    return cached
+
+
 def transfer_score(config: str | Path, overrides: list[str], model_path: str | Path,
                    env_name: str, cache: Path, limit: int = 0) -> dict:
     """Greedy score of the model at ``model_path`` on the first ``limit`` tasks (0 = all) of
     ``env_name``'s eval split, under the comparison's config with ``env.name`` replaced (cached in
     ``cache``, and scored again when the cache holds another model or task count, e.g. after the
     run was continued): ``score`` is pass@1 for code environments and the mean reward otherwise."""
-    if cache.exists():
-        cached = json.loads(cache.read_text())
-        if cached.get("model") == str(model_path) and cached.get("limit", 0) == limit:
-            return cached
+    cached = _cached_transfer(cache, limit, model_path)
+    if cached is not None:
+        return cached
     cfg = load_config(config, [*overrides, f"env.name={env_name}"])
     summary, _ = stages.evaluate_agent(cfg, "model", str(model_path), "eval", limit=limit)
     code = env_name in stages.CODE_ENVS
@@ -186,10 +198,9 @@ def run_transfer_score(config: str | Path, overrides: list[str], run_dir: Path, 
     records copied from another machine) is read from its cache, which must hold the same task
     count; otherwise the missing checkpoint is named."""
     cache = run_dir / f"transfer-{env_name}.json"
-    if not checkpoints(run_dir) and cache.exists():
-        cached = json.loads(cache.read_text())
-        if cached.get("limit", 0) == limit:
-            return cached
+    cached = None if checkpoints(run_dir) else _cached_transfer(cache, limit)
+    if cached is not None:
+        return cached
     return transfer_score(config, overrides, final_student(run_dir), env_name, cache, limit)
 
 
