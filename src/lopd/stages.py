@@ -264,6 +264,14 @@ def composer_policy(cfg: Config, model_path: str | None, composer_dir: str | Pat
     return ComposerPolicy(engine, composer, bank, sampling(cfg), cfg.bank.n_ret), tokenizer, bank
 
 
+def close_policy(policy) -> None:
+    """Free the engine of a policy built for one evaluation (never one that shares a trainer's
+    engine: the trainer closes its own)."""
+    engine = getattr(policy, "engine", None)
+    if engine is not None:
+        engine.close()
+
+
 def agent_policy(cfg: Config, agent: str = "model", model_path: str | None = None,
                  composer: str | Path | None = None, bank: str | Path | None = None, device=None):
     """(policy, tokenizer, bank or None): the Base + Composer agent when ``composer`` is given
@@ -400,6 +408,7 @@ def evaluate_agent(cfg: Config, agent: str = "model", model_path: str | None = N
         summary, rollouts = evaluate(cfg, env, [t for t in tasks for _ in range(samples)], policy,
                                      tokenizer, progress)
     finally:
+        close_policy(policy)
         if opened is not None:
             opened.close()
     if cfg.env.name in CODE_ENVS:

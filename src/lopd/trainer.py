@@ -691,3 +691,8 @@ def train(cfg: Config, run_dir: str | Path, algorithm: str, resume: bool = False
         return trainer.run()
     finally:
         trainer.world.close(trainer.wrapped)
+        # A single process may train run after run (compare, sweep): free this run's engine.
+        # Under torchrun the process ends with the run, and vLLM's shutdown would tear down
+        # process groups that world.close already destroyed.
+        if not trainer.world.enabled:
+            trainer.engine.close()

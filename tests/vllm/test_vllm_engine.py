@@ -5,6 +5,7 @@ in-process engine over the embedded ``toolworld-1m`` serves every test of the mo
 """
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -197,4 +198,8 @@ def test_the_trainer_pushes_a_grpo_update_into_the_engine(setup, eval_tasks, tmp
     out = t.engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=24, seed=4))
     for prompt, gen in zip(prompts, out):
         assert max_gap(gen.logprobs, teacher_forced(student, prompt, gen.token_ids)) < 1e-4
+    # The engine core froze the garbage collector's heap (its weights, its KV cache); closing
+    # shuts it down and unfreezes it, so a process that trains run after run does not keep them.
+    assert gc.get_freeze_count() > 0
     t.engine.close()
+    assert gc.get_freeze_count() == 0 and t.engine.llm is None

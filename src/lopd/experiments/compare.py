@@ -133,8 +133,11 @@ def evaluate_base(cfg: Config, out: Path) -> dict:
     device = runtime.setup(cfg.run)
     env = stages.get_env(cfg)
     policy, tokenizer = stages.make_policy(cfg, "model", device=device)
-    summary, _ = stages.evaluate(cfg, env, stages.held_out_tasks(cfg, env)[1], policy,
-                                   tokenizer)
+    try:
+        summary, _ = stages.evaluate(cfg, env, stages.held_out_tasks(cfg, env)[1], policy,
+                                       tokenizer)
+    finally:
+        stages.close_policy(policy)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary, indent=1))
     return summary

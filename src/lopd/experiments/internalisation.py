@@ -39,6 +39,7 @@ def _held_out_eval(cfg, cache: Path, composer: str | Path | None = None,
         summary, _ = stages.evaluate(cfg, env, stages.held_out_tasks(cfg, env)[1], policy,
                                        tokenizer)
     finally:
+        stages.close_policy(policy)
         if opened is not None:
             opened.close()
     summary.update(agent)

@@ -115,6 +115,11 @@ class RolloutEngine(ABC):
         next :meth:`sync_weights` or :meth:`generate` takes it back. Engines that hold nothing of
         their own (transformers) need nothing."""
 
+    def close(self) -> None:
+        """Free everything the engine holds of its own (vLLM: its copy of the weights, its KV
+        cache); the engine is not used again. Engines that hold nothing of their own
+        (transformers) need nothing."""
+
 
 def check_sampling(rollout_cfg) -> None:
     """Refuse training rollouts that the training forward would not score as sampled.

