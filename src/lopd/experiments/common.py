@@ -72,6 +72,15 @@ def arm_differences(out: Path, arms: list[str]) -> dict[str, list[str]]:
             for arm, cfg in configs.items()}
 
 
+def plot_seed_band(ax, xs: list[float], means: list[float], values: list[list[float]],
+                   label: str) -> None:
+    """One method's seed-mean curve on ``ax`` with the min-max band of its seeds' ``values``
+    (one list of per-seed figures per point)."""
+    line, = ax.plot(xs, means, marker="o", ms=3, label=label)
+    ax.fill_between(xs, [min(v) for v in values], [max(v) for v in values], alpha=0.2,
+                    color=line.get_color())
+
+
 def write_report(out: Path, name: str, report: dict, text: str) -> dict:
     """Write an experiment's numbers (``OUT/NAME.json``) and table (``OUT/NAME.md``); return
     ``report``."""

@@ -23,7 +23,7 @@ import argparse
 import statistics
 from pathlib import Path
 
-from lopd.experiments.common import write_report
+from lopd.experiments.common import plot_seed_band, write_report
 from lopd.experiments.compare import BASE, crossing_generations
 from lopd.experiments.method_table import read
 from lopd.trainer import EVAL_FILE, METRICS_FILE, read_jsonl
@@ -147,10 +147,8 @@ def plot_cost(report: dict, path: Path) -> None:
         xs = [x / 60 for x, _ in row["curve"]]
         values = [[c[i][1] for c in curves] for i in range(length)]
         for ax, shift in zip(axes, (0.0, row["setup_seconds"] / 60)):
-            line, = ax.plot([x + shift for x in xs], [y for _, y in row["curve"]], marker="o",
-                            ms=3, label=algo)
-            ax.fill_between([x + shift for x in xs], [min(v) for v in values],
-                            [max(v) for v in values], alpha=0.2, color=line.get_color())
+            plot_seed_band(ax, [x + shift for x in xs], [y for _, y in row["curve"]], values,
+                           algo)
     for ax, title in zip(axes, ("training minutes", "minutes with setup (bank, cold start)")):
         if report["target_reward"] is not None:
             ax.axhline(report["target_reward"], color="k", ls=":", lw=0.8,

@@ -12,7 +12,7 @@ import statistics
 from pathlib import Path
 
 from lopd.experiments.ablation import _mean_std as _stats
-from lopd.experiments.common import write_report
+from lopd.experiments.common import plot_seed_band, write_report
 
 READ_OFF = (320, 576)
 
@@ -114,10 +114,8 @@ def plot_sample_efficiency(report: dict, path: Path) -> None:
         xs = [curves[0][i][0] for i in range(length)]
         values = [[c[i][1] for c in curves] for i in range(length)]
         for ax, shift in zip(axes, (0, row["setup_generations"])):
-            line, = ax.plot([x + shift for x in xs], [statistics.fmean(v) for v in values],
-                            marker="o", ms=3, label=algo)
-            ax.fill_between([x + shift for x in xs], [min(v) for v in values],
-                            [max(v) for v in values], alpha=0.2, color=line.get_color())
+            plot_seed_band(ax, [x + shift for x in xs], [statistics.fmean(v) for v in values],
+                           values, algo)
     for ax, title in zip(axes, ("training rollouts", "rollouts charged (setup included)")):
         ax.axhline(report["base_mean_reward"], color="grey", ls="--", lw=1, label="base")
         for x in report["read_off"]:
