@@ -40,7 +40,8 @@ def reports(tmp_path):
 def test_cells_are_seed_means_and_population_spreads(reports, tmp_path):
     table = mt.write(*reports, tmp_path / "out")
     assert table["columns"] == ["toolworld a", "toolworld b", "toolworld average",
-                                "codeworld reward", "codeworld pass@1", "humaneval pass@1"]
+                                "toolworld success", "codeworld reward", "codeworld pass@1",
+                                "humaneval pass@1"]
     assert list(table["cells"]) == ["base", "grpo", "sdpo", "lopd"]  # the paper's order
     assert table["cells"]["grpo"]["toolworld average"] == pytest.approx((0.68, 0.02))
     assert table["cells"]["grpo"]["toolworld b"] == pytest.approx((0.76, 0.04))
@@ -49,9 +50,9 @@ def test_cells_are_seed_means_and_population_spreads(reports, tmp_path):
     assert table["charged"]["lopd"] == {"toolworld": 5658}
     text = (tmp_path / "out" / "table.md").read_text()
     assert "| GRPO | 0.6000 ± 0.0000 | 0.7600 ± 0.0400 | 0.6800 ± 0.0200 | 0.5000 ± 0.0000 | " \
-           "0.3100 ± 0.0100 | 0.0000 ± 0.0000 | 960 | 960 |" in text
-    assert "| LOPD | 0.5250 ± 0.0250 | 0.7350 ± 0.0050 | 0.6300 ± 0.0100 | - | - | - | 5658 | - |" \
-        in text
+           "0.5000 ± 0.0000 | 0.3100 ± 0.0100 | 0.0000 ± 0.0000 | 960 | 960 |" in text
+    assert "| LOPD | 0.5250 ± 0.0250 | 0.7350 ± 0.0050 | 0.6300 ± 0.0100 | 0.4500 ± 0.0000 | - | " \
+           "- | - | 5658 | - |" in text
 
 
 def test_verdicts_need_more_than_the_two_spreads(reports, tmp_path):
@@ -78,3 +79,18 @@ def test_a_folder_without_results_is_refused(tmp_path):
         mt.write(tmp_path, None, tmp_path / "out")
     with pytest.raises(ValueError, match="give --toolworld, --codeworld or both"):
         mt.write(None, None, tmp_path / "out")
+
+
+def test_a_toolworld_transfer_gets_its_own_column_and_verdicts(tmp_path):
+    """BFCL scored on toolworld's students (``compare --transfer bfcl``) reads the mean reward."""
+    tool = write(tmp_path / "tool", report({
+        "base": row([0.6, 0.6], [0.4, 0.4], transfer={"bfcl": [0.1, 0.1]}),
+        "grpo": row([0.7, 0.7], [0.5, 0.5], charged=960, transfer={"bfcl": [0.0, 0.0]}),
+        "lopd": row([0.6, 0.6], [0.4, 0.4], charged=1544, transfer={"bfcl": [0.3, 0.2]})},
+        transfer=["bfcl"]))
+    table = mt.write(tool, None, tmp_path / "out")
+    assert table["columns"] == ["toolworld average", "toolworld success", "bfcl mean reward"]
+    assert table["cells"]["lopd"]["bfcl mean reward"] == pytest.approx((0.25, 0.05))
+    # 0.25 ± 0.05 vs the base's 0.1 ± 0: 0.15 > 0.05; GRPO (0.0) is below the base.
+    assert table["verdicts"]["base"]["lopd"]["bfcl mean reward"] == "above"
+    assert table["verdicts"]["base"]["grpo"]["bfcl mean reward"] == "below"

@@ -2,9 +2,10 @@
 
 Each input is an ``lopd compare`` folder (its ``results.json``). Rows are the methods of either
 comparison in the paper's order; columns are toolworld's final held-out mean reward per domain and
-overall, codeworld's held-out mean reward and pass@1 (success rate, greedy), and any transfer column
-of the codeworld comparison (HumanEval pass@1 when it was run with ``--transfer humaneval``), each
-as mean ± population std over seeds, then the rollouts each method was charged per domain.
+overall and its success rate, codeworld's held-out mean reward and pass@1 (success rate, greedy),
+and any transfer column of either comparison (HumanEval pass@1 when it was run with ``--transfer
+humaneval``, BFCL's mean reward with ``--transfer bfcl``), each as mean ± population std over seeds,
+then the rollouts each method was charged per domain.
 
 A method *beats* a reference on a column when its mean exceeds the reference's by more than the sum
 of the two spreads (std); the verdicts against the base and against GRPO are written under the
@@ -43,17 +44,25 @@ def read(folder: Path) -> dict:
 
 def columns(tool: dict | None, code: dict | None) -> list[tuple[str, str, str]]:
     """(label, comparison, key) for every column: ``key`` is ``mean_reward``, ``success_rate``,
-    ``domain:NAME`` or ``transfer:ENV``."""
+    ``domain:NAME`` or ``transfer:ENV``. A transfer column reads pass@1 for a code environment and
+    the mean reward otherwise (what :func:`lopd.experiments.compare.transfer_score` records)."""
+    from lopd.stages import CODE_ENVS
+
     cols = []
     if tool is not None:
         domains = sorted(next(iter(tool["per_seed"].values())).get("per_domain", {}))
         cols += [(f"toolworld {d}", "toolworld", f"domain:{d}") for d in domains]
         cols.append(("toolworld average", "toolworld", "mean_reward"))
+        cols.append(("toolworld success", "toolworld", "success_rate"))
     if code is not None:
         cols.append(("codeworld reward", "codeworld", "mean_reward"))
         cols.append(("codeworld pass@1", "codeworld", "success_rate"))
-        for env in code.get("transfer", []):
-            cols.append((f"{env} pass@1", "codeworld", f"transfer:{env}"))
+    for source, report in (("toolworld", tool), ("codeworld", code)):
+        for env in (report or {}).get("transfer", []):
+            label = f"{env} {'pass@1' if env in CODE_ENVS else 'mean reward'}"
+            if any(c[0] == label for c in cols):
+                label = f"{label} ({source} students)"
+            cols.append((label, source, f"transfer:{env}"))
     return cols
 
 
