@@ -166,6 +166,12 @@ def _cached_transfer(cache: Path, limit: int, model_path: str | Path | None = No
     return cached
 
 
+def transfer_metric(env_name: str) -> str:
+    """What a transfer score of ``env_name`` is: pass@1 for a code environment, else the mean
+    reward."""
+    return "pass@1" if env_name in stages.CODE_ENVS else "mean reward"
+
+
 def transfer_score(config: str | Path, overrides: list[str], model_path: str | Path,
                    env_name: str, cache: Path, limit: int = 0) -> dict:
     """Greedy score of the model at ``model_path`` on the first ``limit`` tasks (0 = all) of
@@ -177,10 +183,10 @@ def transfer_score(config: str | Path, overrides: list[str], model_path: str | P
         return cached
     cfg = load_config(config, [*overrides, f"env.name={env_name}"])
     summary, _ = stages.evaluate_agent(cfg, "model", str(model_path), "eval", limit=limit)
-    code = env_name in stages.CODE_ENVS
-    record = {"env": env_name, "model": str(model_path), "limit": limit,
-              "metric": "pass@1" if code else "mean reward",
-              "score": summary["pass_at_k"]["pass@1"] if code else summary["mean_reward"],
+    metric = transfer_metric(env_name)
+    record = {"env": env_name, "model": str(model_path), "limit": limit, "metric": metric,
+              "score": (summary["pass_at_k"]["pass@1"] if metric == "pass@1"
+                        else summary["mean_reward"]),
               "mean_reward": summary["mean_reward"], "tasks": summary["tasks"],
               "seconds": summary["seconds"]}
     cache.write_text(json.dumps(record, indent=1))
@@ -348,8 +354,7 @@ def _number(value: float | None, digits: int = 3) -> str:
 
 def markdown(table: dict, seeds: int, ratio: dict, notes: list[str] = ()) -> str:
     envs = list(next(iter(table.values()), {}).get("transfer", {}))
-    columns = [f"{env} {'pass@1' if env in stages.CODE_ENVS else 'mean reward'}"
-               for env in envs]
+    columns = [f"{env} {transfer_metric(env)}" for env in envs]
     lines = ["| " + " | ".join(["method", "held-out mean reward", "held-out success rate",
                                 *columns, "training rollouts", "setup rollouts", "charged",
                                 "lr"]) + " |",

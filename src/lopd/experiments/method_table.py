@@ -46,7 +46,7 @@ def columns(tool: dict | None, code: dict | None) -> list[tuple[str, str, str]]:
     """(label, comparison, key) for every column: ``key`` is ``mean_reward``, ``success_rate``,
     ``domain:NAME`` or ``transfer:ENV``. A transfer column reads pass@1 for a code environment and
     the mean reward otherwise (what :func:`lopd.experiments.compare.transfer_score` records)."""
-    from lopd.stages import CODE_ENVS
+    from lopd.experiments.compare import transfer_metric
 
     cols = []
     if tool is not None:
@@ -59,7 +59,7 @@ def columns(tool: dict | None, code: dict | None) -> list[tuple[str, str, str]]:
         cols.append(("codeworld pass@1", "codeworld", "success_rate"))
     for source, report in (("toolworld", tool), ("codeworld", code)):
         for env in (report or {}).get("transfer", []):
-            label = f"{env} {'pass@1' if env in CODE_ENVS else 'mean reward'}"
+            label = f"{env} {transfer_metric(env)}"
             if any(c[0] == label for c in cols):
                 label = f"{label} ({source} students)"
             cols.append((label, source, f"transfer:{env}"))
