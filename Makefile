@@ -62,11 +62,11 @@ smollm2: $(STAMP)
 # checked; and the finished runs' records under runs/smollm2-compare, which `lopd compare` and
 # `lopd experiment` then reuse. About 1 h on 2 cores with AMX-BF16. The recorded weights were made
 # in bf16 on such a CPU; without a bfloat16 unit `run.precision: auto` is float32 there, a
-# warm-up step takes about 5x as long and the weights differ, so the target refuses at once.
+# warm-up step takes 3-4x as long and the weights differ, so the target refuses at once.
 SMOLLM2_DOCS := docs/results/smollm2
 SMOLLM2_ON := --config smollm2-135m --set model.name_or_path=runs/smollm2-warm
 smollm2-state: smollm2 $(VLLM_STAMP)
-	@grep -qwE 'amx_bf16|avx512_bf16' /proc/cpuinfo || { echo "make smollm2-state: this CPU has no bfloat16 unit (neither amx_bf16 nor avx512_bf16 in /proc/cpuinfo); the recorded SmolLM2 weights were made in bf16, and a float32 rebuild takes about 5x as long and gives other weights" >&2; exit 1; }
+	@grep -qwE 'amx_bf16|avx512_bf16' /proc/cpuinfo || { echo "make smollm2-state: this CPU has no bfloat16 unit (neither amx_bf16 nor avx512_bf16 in /proc/cpuinfo); the recorded SmolLM2 weights were made in bf16, and a float32 rebuild takes 3-4x as long and gives other weights" >&2; exit 1; }
 	@sha256sum --status -c $(SMOLLM2_DOCS)/warmup/warm-base.sha256 2>/dev/null || \
 	  $(BIN)/lopd base --config smollm2-135m --set base.init_from=$(SMOLLM2) \
 	  --set base.stop_at_success=0.2 --out runs/smollm2-warm \
