@@ -13,7 +13,7 @@ BENCH_VENV ?= .venv-bench
 BENCH_BIN := $(BENCH_VENV)/bin
 BENCH_STAMP := $(BENCH_VENV)/.installed
 
-.PHONY: demo test lint smollm2 smollm2-state install install-vllm test-vllm install-bench bench-trl clean bwrap
+.PHONY: demo test lint smollm2 smollm2-state smollm2-cpu install install-vllm test-vllm install-bench bench-trl clean bwrap
 
 $(STAMP): pyproject.toml Makefile constraints/cpu.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -61,12 +61,18 @@ smollm2: $(STAMP)
 # interrupted warm-up resumes from its last validation); the kept bank; the cold-started composer,
 # checked; and the finished runs' records under runs/smollm2-compare, which `lopd compare` and
 # `lopd experiment` then reuse. About 1 h on 2 cores with AMX-BF16. The recorded weights were made
-# in bf16 on such a CPU; without a bfloat16 unit `run.precision: auto` is float32 there, a
-# warm-up step takes 3-4x as long and the weights differ, so the target refuses at once.
+# with AMX's bf16 kernels, and no other CPU rebuilds them: with AVX-512 BF16 the warm-up's losses
+# differ from the first step, and without a bfloat16 unit `run.precision: auto` is float32 and a
+# step takes 3-4x as long. So the target checks the CPU first and refuses any other at once.
+SMOLLM2_CPU_ERROR := make smollm2-state: this CPU has no AMX-BF16 unit (no amx_bf16 in \
+  /proc/cpuinfo); the recorded SmolLM2 weights were made with the AMX bf16 kernels, another CPU \
+  rebuilds other weights (AVX-512 BF16: other losses from the first step; no bf16 unit: float32, \
+  3-4x as long), and their SHA-256 checks would fail after an hour or more
 SMOLLM2_DOCS := docs/results/smollm2
 SMOLLM2_ON := --config smollm2-135m --set model.name_or_path=runs/smollm2-warm
-smollm2-state: smollm2 $(VLLM_STAMP)
-	@grep -qwE 'amx_bf16|avx512_bf16' /proc/cpuinfo || { echo "make smollm2-state: this CPU has no bfloat16 unit (neither amx_bf16 nor avx512_bf16 in /proc/cpuinfo); the recorded SmolLM2 weights were made in bf16, and a float32 rebuild takes 3-4x as long and gives other weights" >&2; exit 1; }
+smollm2-cpu:
+	@grep -qw amx_bf16 /proc/cpuinfo || { echo '$(SMOLLM2_CPU_ERROR)' >&2; exit 1; }
+smollm2-state: smollm2-cpu smollm2 $(VLLM_STAMP)
 	@sha256sum --status -c $(SMOLLM2_DOCS)/warmup/warm-base.sha256 2>/dev/null || \
 	  $(BIN)/lopd base --config smollm2-135m --set base.init_from=$(SMOLLM2) \
 	  --set base.stop_at_success=0.2 --out runs/smollm2-warm \
