@@ -229,7 +229,8 @@ def test_a_tiny_comparison_runs_and_reuses_finished_runs(tmp_path, monkeypatch):
     kept = cmp.compare("tiny", sets, ["base", "grpo", "lopd"], 2, out, {"grpo": 3e-4},
                        transfer=["codeworld"], transfer_tasks=2)
     assert kept["per_seed"]["grpo"]["transfer"] == few["per_seed"]["grpo"]["transfer"]
-    with pytest.raises(FileNotFoundError, match="seed0 has no checkpoint"):
+    with pytest.raises(FileNotFoundError, match=r"seed0 has no checkpoint .* no cached codeworld "
+                       r"score on its first 3 tasks: move the folder away"):
         cmp.compare("tiny", sets, ["grpo"], 2, out, {"grpo": 3e-4}, transfer=["codeworld"],
                     transfer_tasks=3)
     with pytest.raises(ValueError, match="transfer_tasks must be >= 0"):

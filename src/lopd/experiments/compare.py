@@ -205,11 +205,18 @@ def run_transfer_score(config: str | Path, overrides: list[str], run_dir: Path, 
                        limit: int = 0) -> dict:
     """:func:`transfer_score` of a run's final student. A run kept without its checkpoints (its
     records copied from another machine) is read from its cache, which must hold the same task
-    count; otherwise the missing checkpoint is named."""
+    count; otherwise the error names the missing checkpoint and how to train the run anew."""
     cache = run_dir / f"transfer-{env_name}.json"
-    cached = None if checkpoints(run_dir) else _cached_transfer(cache, limit)
-    if cached is not None:
-        return cached
+    if not checkpoints(run_dir):
+        cached = _cached_transfer(cache, limit)
+        if cached is not None:
+            return cached
+        tasks = f"its first {limit} tasks" if limit else "all its tasks"
+        raise FileNotFoundError(
+            f"{run_dir} has no checkpoint (its records were kept without its weights) and no cached "
+            f"{env_name} score on {tasks}: move the folder away and run the comparison again to "
+            "train it anew (a fresh process draws the same rollouts on the same kind of CPU), or "
+            "score it where its checkpoints are")
     return transfer_score(config, overrides, final_student(run_dir), env_name, cache, limit)
 
 
