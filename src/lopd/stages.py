@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -392,32 +394,187 @@ def pass_at_k(rollouts, samples: int) -> dict:
 def evaluate_agent(cfg: Config, agent: str = "model", model_path: str | None = None,
                    split: str = "eval", limit: int = 0, samples: int = 1,
                    composer: str | None = None, bank: str | None = None,
-                   progress: bool = True) -> tuple[dict, list]:
+                   progress: bool = True, record: str | Path | None = None,
+                   chunk: int = 40) -> tuple[dict, list]:
     """(summary, rollouts) of an agent on the first ``limit`` tasks (0 = all) of ``split``, each
     attempted ``samples`` times: ``agent`` (model, oracle, random), or the Base + Composer agent
-    when ``composer`` and ``bank`` are given. Code environments add pass@k."""
+    when ``composer`` and ``bank`` are given. Code environments add pass@k.
+
+    ``record``: a resumable evaluation (:class:`EvalRecord`). The tasks run ``chunk`` at a time,
+    each finished chunk's episodes are appended to that JSONL file as one line each (their figures
+    and where they ran), tasks the file already holds are not run again, and the summary covers
+    every wanted task in the file; the rollouts returned are this call's only."""
     from lopd import runtime
 
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
     device = runtime.setup(cfg.run)
     model_path = model_path or cfg.model.name_or_path
     env = get_env(cfg)
     tasks = env.tasks(split)[: limit or None]
-    policy, tokenizer, opened = agent_policy(cfg, agent, model_path, composer, bank, device)
+    wanted = [t for t in tasks for _ in range(samples)]
+    what = {"env": cfg.env.name, "split": split, "samples": samples,
+            "agent": "base+composer" if composer else agent,
+            "model": str(model_path) if agent == "model" else None,
+            "composer": str(composer) if composer else None, "bank": str(bank) if bank else None}
+    log = EvalRecord(record, what) if record is not None else None
+    todo = log.missing(wanted) if log is not None else wanted
+    policy, tokenizer, opened = (agent_policy(cfg, agent, model_path, composer, bank, device)
+                                 if todo else (None, None, None))
     start = time.perf_counter()
+    rollouts: list = []
     try:
-        summary, rollouts = evaluate(cfg, env, [t for t in tasks for _ in range(samples)], policy,
-                                     tokenizer, progress)
+        if log is None:
+            rollouts = evaluate(cfg, env, todo, policy, tokenizer, progress)[1]
+        else:
+            where = episode_provenance(policy)
+            for first in range(0, len(todo), chunk):
+                began = time.perf_counter()
+                part = evaluate(cfg, env, todo[first:first + chunk], policy, tokenizer,
+                                progress)[1]
+                log.append(part, time.perf_counter() - began, where)
+                rollouts += part
     finally:
-        close_policy(policy)
+        if policy is not None:
+            close_policy(policy)
         if opened is not None:
             opened.close()
+    from lopd.agent import summarize
+
+    episodes = log.episodes(wanted) if log is not None else rollouts
+    summary = summarize(episodes)
     if cfg.env.name in CODE_ENVS:
-        summary.update(pass_at_k(rollouts, samples))
-    summary.update({"agent": "base+composer" if composer else agent, "composer": composer,
-                    "bank": bank, "model": model_path if agent == "model" else None,
-                    "env": cfg.env.name, "split": split, "tasks": len(tasks),
+        summary.update(pass_at_k(episodes, samples))
+    summary.update({key: value for key, value in what.items() if key != "samples"})
+    summary.update({"model": model_path if agent == "model" else None, "tasks": len(tasks),
                     "seconds": round(time.perf_counter() - start, 1)})
+    if log is not None:
+        summary.update(log.provenance(wanted))
     return summary, rollouts
+
+
+def episode_provenance(policy) -> dict:
+    """Where a policy's episodes run: the CPU (its model name and bfloat16 unit), the rollout
+    engine and the dtype it serves the weights in (None for the oracle and random agents)."""
+    import torch
+
+    from lopd import runtime
+
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    unit = runtime.cpu_bf16_units()[0] or "no bfloat16 unit"
+    engine = getattr(policy, "engine", None)
+    dtype = getattr(engine, "dtype", None)
+    if dtype is None and getattr(engine, "model", None) is not None:
+        dtype = next(engine.model.parameters()).dtype
+    if torch.cuda.is_available():
+        cpu = f"{cpu}; GPU {torch.cuda.get_device_name(0)}"
+    return {"machine": f"{cpu} ({unit}), {torch.get_num_threads()} threads",
+            "engine": type(engine).__name__ if engine is not None else None,
+            "dtype": str(dtype).removeprefix("torch.") if dtype is not None else None}
+
+
+EVAL_RECORD_FIGURES = ("task_id", "domain", "reward", "success", "num_turns", "generated_tokens",
+                       "finish_reason")
+"""What a resumable evaluation keeps of each episode: what :func:`lopd.agent.summarize` and
+pass@k read."""
+
+
+@dataclass
+class RecordedEpisode:
+    """One episode's line of an :class:`EvalRecord`."""
+
+    task_id: str
+    domain: str
+    reward: float
+    success: bool
+    num_turns: int
+    generated_tokens: int
+    finish_reason: str
+    seconds: float
+    machine: str
+    engine: str | None
+    dtype: str | None
+
+
+class EvalRecord:
+    """The JSONL file of a resumable evaluation: a line per finished episode, holding its figures
+    (:data:`EVAL_RECORD_FIGURES`), its share of its chunk's wall-clock and where it ran
+    (:func:`episode_provenance`), plus what was evaluated (environment, split, agent, model,
+    samples). A file of another evaluation is refused, naming what differs; a line that cannot
+    be read is named. Lines are appended a chunk at a time, so an interrupted evaluation loses
+    at most its current chunk."""
+
+    def __init__(self, path: str | Path, what: dict):
+        self.path, self.what = Path(path), what
+        self.lines: list[RecordedEpisode] = []
+        if not self.path.exists():
+            return
+        for number, line in enumerate(self.path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                data = json.loads(line)
+                other = {key: data[key] for key in what}
+                self.lines.append(RecordedEpisode(**{f.name: data[f.name]
+                                                     for f in fields(RecordedEpisode)}))
+            except (ValueError, TypeError, KeyError) as exc:
+                raise ValueError(f"{self.path}:{number}: not a line of a resumable evaluation "
+                                 f"({type(exc).__name__}: {exc})") from None
+            if other != what:
+                differs = ", ".join(f"{key} {other[key]!r} (here {what[key]!r})"
+                                    for key in what if other[key] != what[key])
+                raise ValueError(f"{self.path}:{number} records another evaluation: {differs}; "
+                                 "give another file to start afresh")
+
+    def _split(self, wanted: Sequence) -> tuple[list[RecordedEpisode], list]:
+        left: dict[str, list[RecordedEpisode]] = {}
+        for line in self.lines:
+            left.setdefault(line.task_id, []).append(line)
+        done, missing = [], []
+        for task in wanted:
+            if left.get(task.task_id):
+                done.append(left[task.task_id].pop(0))
+            else:
+                missing.append(task)
+        return done, missing
+
+    def missing(self, wanted: Sequence) -> list:
+        """The wanted tasks (a task once per sample) the file does not hold yet, in order."""
+        return self._split(wanted)[1]
+
+    def episodes(self, wanted: Sequence) -> list[RecordedEpisode]:
+        """The file's episodes of the wanted tasks (lines of other tasks are kept, not counted)."""
+        return self._split(wanted)[0]
+
+    def append(self, rollouts: Sequence, seconds: float, where: dict) -> None:
+        """Append a finished chunk: one line per rollout, the chunk's seconds shared evenly."""
+        share = seconds / max(len(rollouts), 1)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        lines = []
+        for r in rollouts:
+            episode = RecordedEpisode(r.task_id, r.domain, r.reward, bool(r.success), r.num_turns,
+                                      r.generated_tokens, r.finish_reason, round(share, 2),
+                                      **where)
+            self.lines.append(episode)
+            lines.append(json.dumps({**self.what, **asdict(episode)}) + "\n")
+        with self.path.open("a") as f:
+            f.writelines(lines)
+            f.flush()
+
+    def provenance(self, wanted: Sequence) -> dict:
+        """The record's file, the summed wall-clock of its wanted episodes and every machine,
+        engine and dtype they ran on, with episode counts."""
+        episodes = self.episodes(wanted)
+        where = Counter(f"{e.machine}; {e.engine}; {e.dtype}" for e in episodes)
+        return {"record": str(self.path),
+                "record_seconds": round(sum(e.seconds for e in episodes), 1), "ran_on": dict(where)}
 
 
 # ----------------------------------------------------------------------------------------------

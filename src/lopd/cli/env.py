@@ -55,8 +55,11 @@ def cmd_eval(args) -> int:
     if args.samples > 1 and cfg.rollout.eval_temperature <= 0 and args.agent == "model":
         raise ValueError("--samples > 1 needs sampling: add --set rollout.eval_temperature=0.8 "
                          "(greedy samples are all the same)")
+    if args.chunk is not None and not args.record:
+        raise ValueError("--chunk sets the tasks per chunk of a resumable evaluation: give --record")
     summary, rollouts = stages.evaluate_agent(cfg, args.agent, args.model, split, args.limit,
-                                                args.samples, args.composer, args.bank)
+                                                args.samples, args.composer, args.bank,
+                                                record=args.record, chunk=args.chunk or 40)
     if args.episodes:
         stages.write_episodes(args.episodes, rollouts)
     model = summary["model"] or cfg.model.name_or_path
@@ -67,6 +70,11 @@ def cmd_eval(args) -> int:
                        f"{summary['seconds']:.0f}s)"))
     if code:
         print("  ".join(f"{k} {v:.4f}" for k, v in summary["pass_at_k"].items()))
+    if args.record:
+        print(f"{summary['episodes']} episodes in {args.record} ({len(rollouts)} run now), "
+              f"{summary['record_seconds']:.0f}s of evaluation in all, on:")
+        for where, count in summary["ran_on"].items():
+            print(f"  {count:5d}  {where}")
     write_json(args.json_path, summary)
     return 0
 
@@ -101,4 +109,11 @@ def register(sub) -> None:
     p.add_argument("--composer", metavar="DIR", help="act as Base + Composer: latents of retrieved "
                    "experiences (from --bank) in the base's prompt")
     p.add_argument("--bank", metavar="BANK", help="experience bank for --composer")
-    p.add_argument("--episodes", metavar="PATH", help="write every episode to this JSONL file")
+    p.add_argument("--episodes", metavar="PATH", help="write every episode to this JSONL file "
+                   "(with --record: this call's episodes)")
+    p.add_argument("--record", metavar="PATH", help="resumable: run the tasks in chunks, append "
+                   "each finished chunk's episode figures to this JSONL file, skip the tasks it "
+                   "already holds; the figures cover every task in it (a long evaluation over "
+                   "several sittings: give the same command again)")
+    p.add_argument("--chunk", type=int, help="tasks per chunk of --record (default 40): an "
+                   "interrupted evaluation loses at most one chunk")
