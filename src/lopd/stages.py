@@ -449,7 +449,7 @@ def evaluate_agent(cfg: Config, agent: str = "model", model_path: str | None = N
     summary.update({"model": model_path if agent == "model" else None, "tasks": len(tasks),
                     "seconds": round(time.perf_counter() - start, 1)})
     if log is not None:
-        summary.update(log.provenance(wanted))
+        summary.update(log.provenance(episodes))
     return summary, rollouts
 
 
@@ -480,15 +480,10 @@ def episode_provenance(policy) -> dict:
             "dtype": str(dtype).removeprefix("torch.") if dtype is not None else None}
 
 
-EVAL_RECORD_FIGURES = ("task_id", "domain", "reward", "success", "num_turns", "generated_tokens",
-                       "finish_reason")
-"""What a resumable evaluation keeps of each episode: what :func:`lopd.agent.summarize` and
-pass@k read."""
-
-
 @dataclass
 class RecordedEpisode:
-    """One episode's line of an :class:`EvalRecord`."""
+    """One episode's line of an :class:`EvalRecord`: what :func:`lopd.agent.summarize` and pass@k
+    read, the episode's share of its chunk's wall-clock, and where it ran."""
 
     task_id: str
     domain: str
@@ -504,9 +499,8 @@ class RecordedEpisode:
 
 
 class EvalRecord:
-    """The JSONL file of a resumable evaluation: a line per finished episode, holding its figures
-    (:data:`EVAL_RECORD_FIGURES`), its share of its chunk's wall-clock and where it ran
-    (:func:`episode_provenance`), plus what was evaluated (environment, split, agent, model,
+    """The JSONL file of a resumable evaluation: a line per finished episode
+    (:class:`RecordedEpisode`; where it ran is :func:`episode_provenance`), plus what was evaluated (environment, split, agent, model,
     samples). A file of another evaluation is refused, naming what differs; a line that cannot
     be read is named. Lines are appended a chunk at a time, so an interrupted evaluation loses
     at most its current chunk."""
@@ -568,10 +562,9 @@ class EvalRecord:
             f.writelines(lines)
             f.flush()
 
-    def provenance(self, wanted: Sequence) -> dict:
-        """The record's file, the summed wall-clock of its wanted episodes and every machine,
-        engine and dtype they ran on, with episode counts."""
-        episodes = self.episodes(wanted)
+    def provenance(self, episodes: Sequence[RecordedEpisode]) -> dict:
+        """The record's file, the summed wall-clock of ``episodes`` (:meth:`episodes`) and every
+        machine, engine and dtype they ran on, with episode counts."""
         where = Counter(f"{e.machine}; {e.engine}; {e.dtype}" for e in episodes)
         return {"record": str(self.path),
                 "record_seconds": round(sum(e.seconds for e in episodes), 1), "ran_on": dict(where)}

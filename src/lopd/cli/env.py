@@ -113,7 +113,7 @@ def register(sub) -> None:
                    "(with --record: this call's episodes)")
     p.add_argument("--record", metavar="PATH", help="resumable: run the tasks in chunks, append "
                    "each finished chunk's episode figures to this JSONL file, skip the tasks it "
-                   "already holds; the figures cover every task in it (a long evaluation over "
-                   "several sittings: give the same command again)")
+                   "already holds; the figures cover every task in it (a long evaluation stopped "
+                   "part-way continues when the same command is given again)")
     p.add_argument("--chunk", type=int, help="tasks per chunk of --record (default 40): an "
                    "interrupted evaluation loses at most one chunk")
