@@ -145,7 +145,7 @@ class RolloutConfig:
         "heads x head size x bytes) tokens: SmolLM2-135M in bfloat16 takes 23,040 bytes a token, "
         "93,184 tokens at 2 GiB. When the episodes generated together (rollout.batch_size) grow "
         "past it, vLLM evicts their earlier turns and prefills each conversation again on its "
-        "next turn; the engine says so at start-up, with the size that holds them.", gt=0.0)
+        "next turn; the engine says so the first time, with the size that holds them.", gt=0.0)
     vllm_sleep: bool = knob(
         False, "Put vLLM to sleep during each update (its KV cache and weights freed, the weights "
         "pushed again before the next rollouts) so the update can use that memory "
