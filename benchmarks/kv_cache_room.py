@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from lopd.tables import format_table, write_json
@@ -75,9 +76,7 @@ def main() -> None:
     rows = []
     for result in results:
         episodes = result["episodes"]
-        endings = {}
-        for e in episodes:
-            endings[e["finish_reason"]] = endings.get(e["finish_reason"], 0) + 1
+        endings = Counter(e["finish_reason"] for e in episodes)
         result["episode_seconds"] = round(sum(e["seconds"] for e in episodes), 1)
         rows.append([f"{result['gb']:g}", result["wall_seconds"], result["episode_seconds"],
                      f"{sum(e['num_turns'] for e in episodes) / len(episodes):.1f}",

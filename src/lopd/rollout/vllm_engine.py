@@ -278,9 +278,11 @@ class VLLMEngine(RolloutEngine):
         """Say once, on stderr, when one call's conversations need more KV cache than vLLM has:
         the prefix cache then cannot keep them between turns, and each later turn prefills its
         conversation again (multi-turn episodes slow down as they grow)."""
+        if self._cache_outgrown:  # said already: no more counting on every turn
+            return
         capacity = self.kv_cache_tokens()
         need = sum(len(p) + s.max_tokens for p, s in zip(prompts, sampling, strict=True))
-        if self._cache_outgrown or capacity is None or need <= capacity:
+        if capacity is None or need <= capacity:
             return
         self._cache_outgrown = True
         if self.kv_cache_gb is not None:
