@@ -59,32 +59,39 @@ smollm2: $(STAMP)
 # The SmolLM2 comparison's starting state, rebuilt from the repository (docs/results/smollm2.md,
 # "Reproducing across sittings"): the warmed base, checked against its recorded SHA-256 (an
 # interrupted warm-up resumes from its last validation); the kept bank; the cold-started composer,
-# checked; and the finished runs' records under runs/smollm2-compare, which `lopd compare` and
-# `lopd experiment` then reuse. About 1 h on 2 cores with AMX-BF16. The recorded weights were made
-# with AMX's bf16 kernels, and no other CPU rebuilds them: with AVX-512 BF16 the warm-up's losses
-# differ from the first step, and without a bfloat16 unit `run.precision: auto` is float32 and a
-# step takes 3-4x as long. So the target checks the CPU first and refuses any other at once.
-SMOLLM2_CPU_ERROR := make smollm2-state: this CPU has no AMX-BF16 unit (no amx_bf16 in \
-  /proc/cpuinfo); the recorded SmolLM2 weights were made with the AMX bf16 kernels, another CPU \
-  rebuilds other weights (AVX-512 BF16: other losses from the first step; no bf16 unit: float32, \
-  3-4x as long), and their SHA-256 checks would fail after an hour or more
+# checked; and the finished runs' records, which `lopd compare` and `lopd experiment` then reuse.
+# bf16 weights depend on the CPU's kernels (AMX-BF16 and AVX-512 BF16 sum in other orders, and the
+# warm-up's losses part from the first step), so one state is recorded for each unit, made by the
+# same commands from the same bank: with AMX-BF16 the method table's (docs/results/smollm2/; about
+# 1 h on 2 cores), with AVX-512 BF16 alone a second one (docs/results/smollm2/avx512-bf16/), whose
+# runs are compared only with each other. A CPU with neither runs float32, 3-4x as long, and
+# rebuilds neither state: the target refuses it at once.
+SMOLLM2_CPU_ERROR := make smollm2-state: this CPU has no bfloat16 unit (neither amx_bf16 nor \
+  avx512_bf16 in /proc/cpuinfo); the recorded SmolLM2 states were made with the bf16 kernels of \
+  those units, float32 here rebuilds other weights 3-4x as slowly, and their SHA-256 checks would \
+  fail after hours
 SMOLLM2_DOCS := docs/results/smollm2
+SMOLLM2_UNIT := $(shell grep -qw amx_bf16 /proc/cpuinfo && echo amx || \
+  { grep -qw avx512_bf16 /proc/cpuinfo && echo avx512-bf16; })
+SMOLLM2_STATE := $(if $(filter amx,$(SMOLLM2_UNIT)),$(SMOLLM2_DOCS),$(SMOLLM2_DOCS)/avx512-bf16)
 SMOLLM2_ON := --config smollm2-135m --set model.name_or_path=runs/smollm2-warm
 smollm2-cpu:
-	@grep -qw amx_bf16 /proc/cpuinfo || { echo '$(SMOLLM2_CPU_ERROR)' >&2; exit 1; }
+	@test -n "$(SMOLLM2_UNIT)" || { echo '$(SMOLLM2_CPU_ERROR)' >&2; exit 1; }
+	@echo "make smollm2-state: the state recorded for $(SMOLLM2_UNIT) ($(SMOLLM2_STATE))"
 smollm2-state: smollm2-cpu smollm2 $(VLLM_STAMP)
-	@sha256sum --status -c $(SMOLLM2_DOCS)/warmup/warm-base.sha256 2>/dev/null || \
+	@sha256sum --status -c $(SMOLLM2_STATE)/warmup/warm-base.sha256 2>/dev/null || \
 	  $(BIN)/lopd base --config smollm2-135m --set base.init_from=$(SMOLLM2) \
 	  --set base.stop_at_success=0.2 --out runs/smollm2-warm \
 	  $$(test -f runs/smollm2-warm/base_checkpoint.pt && echo --resume)
-	sha256sum -c $(SMOLLM2_DOCS)/warmup/warm-base.sha256
+	sha256sum -c $(SMOLLM2_STATE)/warmup/warm-base.sha256
 	test -d runs/smollm2-bank || cp -r $(SMOLLM2_DOCS)/bank/folder runs/smollm2-bank
-	@sha256sum --status -c $(SMOLLM2_DOCS)/cold-start/composer-epoch-3.sha256 2>/dev/null || { \
+	@sha256sum --status -c $(SMOLLM2_STATE)/cold-start/composer-epoch-3.sha256 2>/dev/null || { \
 	  rm -rf runs/smollm2-composer && $(VLLM_BIN)/lopd cold-start $(SMOLLM2_ON) \
 	  --bank runs/smollm2-bank --out runs/smollm2-composer --set cold_start.epochs=3 \
 	  --set cold_start.validation_tasks=100 --set cold_start.validation_samples=2; }
-	sha256sum -c $(SMOLLM2_DOCS)/cold-start/composer-epoch-3.sha256
-	mkdir -p runs/smollm2-compare && cp -rn $(SMOLLM2_DOCS)/compare/. runs/smollm2-compare/
+	sha256sum -c $(SMOLLM2_STATE)/cold-start/composer-epoch-3.sha256
+	for kept in compare random-latent; do test ! -d $(SMOLLM2_STATE)/$$kept || { \
+	  mkdir -p runs/smollm2-$$kept && cp -rn $(SMOLLM2_STATE)/$$kept/. runs/smollm2-$$kept/; }; done
 
 # ruff (pyflakes, isort, pyupgrade) and import-linter's layers contract (pyproject.toml): a new
 # import cycle or a module importing from a floor above its own fails here.
