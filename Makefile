@@ -65,7 +65,9 @@ smollm2: $(STAMP)
 # same commands from the same bank: with AMX-BF16 the method table's (docs/results/smollm2/; about
 # 1 h on 2 cores), with AVX-512 BF16 alone a second one (docs/results/smollm2/avx512-bf16/), whose
 # runs are compared only with each other. A CPU with neither runs float32, 3-4x as long, and
-# rebuilds neither state: the target refuses it at once.
+# rebuilds neither state: the target refuses it at once. The second state's comparison reused the
+# random-latent control's retrieved arm as its LOPD runs, so their records are kept once, under
+# random-latent/retrieved/, and copied into the comparison's lopd/ beside their BFCL scores.
 SMOLLM2_CPU_ERROR := make smollm2-state: this CPU has no bfloat16 unit (neither amx_bf16 nor \
   avx512_bf16 in /proc/cpuinfo); the recorded SmolLM2 states were made with the bf16 kernels of \
   those units, float32 here rebuilds other weights 3-4x as slowly, and their SHA-256 checks would \
@@ -92,6 +94,8 @@ smollm2-state: smollm2-cpu smollm2 $(VLLM_STAMP)
 	sha256sum -c $(SMOLLM2_STATE)/cold-start/composer-epoch-3.sha256
 	for kept in compare random-latent; do test ! -d $(SMOLLM2_STATE)/$$kept || { \
 	  mkdir -p runs/smollm2-$$kept && cp -rn $(SMOLLM2_STATE)/$$kept/. runs/smollm2-$$kept/; }; done
+	test ! -d $(SMOLLM2_STATE)/random-latent/retrieved || \
+	  cp -rn $(SMOLLM2_STATE)/random-latent/retrieved/. runs/smollm2-compare/lopd/
 
 # ruff (pyflakes, isort, pyupgrade) and import-linter's layers contract (pyproject.toml): a new
 # import cycle or a module importing from a floor above its own fails here.
