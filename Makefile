@@ -59,7 +59,8 @@ smollm2: $(STAMP)
 # The SmolLM2 comparison's starting state, rebuilt from the repository (docs/results/smollm2.md,
 # "Reproducing across sittings"): the warmed base, checked against its recorded SHA-256 (an
 # interrupted warm-up resumes from its last validation); the kept bank; the cold-started composer,
-# checked; and the finished runs' records, which `lopd compare` and `lopd experiment` then reuse.
+# checked; and the finished runs' records, which `lopd sweep`, `lopd compare` and `lopd experiment`
+# then reuse.
 # bf16 weights depend on the CPU's kernels (AMX-BF16 and AVX-512 BF16 sum in other orders, and the
 # warm-up's losses part from the first step), so one state is recorded for each unit, made by the
 # same commands from the same bank: with AMX-BF16 the method table's (docs/results/smollm2/; about
@@ -92,7 +93,7 @@ smollm2-state: smollm2-cpu smollm2 $(VLLM_STAMP)
 	  --bank runs/smollm2-bank --out runs/smollm2-composer --set cold_start.epochs=3 \
 	  --set cold_start.validation_tasks=100 --set cold_start.validation_samples=2; }
 	sha256sum -c $(SMOLLM2_STATE)/cold-start/composer-epoch-3.sha256
-	for kept in compare random-latent; do test ! -d $(SMOLLM2_STATE)/$$kept || { \
+	for kept in sweep compare random-latent; do test ! -d $(SMOLLM2_STATE)/$$kept || { \
 	  mkdir -p runs/smollm2-$$kept && cp -rn $(SMOLLM2_STATE)/$$kept/. runs/smollm2-$$kept/; }; done
 	test ! -d $(SMOLLM2_STATE)/random-latent/retrieved || \
 	  cp -rn $(SMOLLM2_STATE)/random-latent/retrieved/. runs/smollm2-compare/lopd/

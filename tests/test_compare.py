@@ -280,3 +280,16 @@ def test_a_sweep_scores_each_rate_once_at_its_end_on_validation_tasks(tmp_path):
         assert [(r["step"], r["episodes"]) for r in evals] == [(2, 3)]
     best = max(report["runs"], key=lambda r: r["validation_mean_reward"])
     assert report["best_learning_rate"] == best["learning_rate"]
+
+
+def test_a_sweep_tie_goes_to_the_first_rate_listed_and_is_named():
+    from lopd.experiments.sweep import best_rate
+
+    def rows(*scores):
+        return [{"learning_rate": rate, "validation_mean_reward": score}
+                for rate, score in zip((3e-5, 1e-4, 3e-4), scores)]
+
+    assert best_rate(rows(0.49, 0.52, 0.50)) == (1e-4, [])
+    # Two rates whose runs collapse to the same policy score exactly the same.
+    assert best_rate(rows(0.5221, 0.5221, 0.40)) == (3e-5, [3e-5, 1e-4])
+    assert best_rate(rows(0.30, 0.5221, 0.5221)) == (1e-4, [1e-4, 3e-4])

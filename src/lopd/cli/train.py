@@ -77,9 +77,16 @@ def cmd_sweep(args) -> int:
     print(format_table(["learning rate", "validation mean reward", "validation success"], rows,
                        title=f"{args.algo} sweep ({args.steps} steps, {args.validation_tasks} "
                        f"validation tasks from the training split): best "
-                       f"{report['best_learning_rate']:g}"))
+                       f"{report['best_learning_rate']:g}{_tie_note(report)}"))
     write_json(args.json_path, report)
     return 0
+
+
+def _tie_note(report: dict) -> str:
+    tied = report["tied_learning_rates"]
+    if not tied:
+        return ""
+    return f" (tied: {', '.join(f'{rate:g}' for rate in tied)}; the first listed is taken)"
 
 
 def cmd_ablate(args) -> int:

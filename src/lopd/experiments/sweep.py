@@ -2,9 +2,10 @@
 
 Each run trains ``steps`` steps and is evaluated only at its end on the last ``validation_tasks``
 training tasks (``train.eval_split=validation``: they are left out of training), never on the eval
-split; the best final validation mean reward wins. Give every algorithm of a comparison the same
-grid, steps and validation tasks. Runs live in ``OUT/ALGO-lrRATE`` and are reused or resumed; the
-table is written to ``OUT/sweep-ALGO.json``.
+split; the best final validation mean reward wins, and of rates that tie on it the first listed
+(the report names every tied rate: two runs that collapse to the same policy tie exactly). Give
+every algorithm of a comparison the same grid, steps and validation tasks. Runs live in
+``OUT/ALGO-lrRATE`` and are reused or resumed; the table is written to ``OUT/sweep-ALGO.json``.
 """
 
 from __future__ import annotations
@@ -34,8 +35,16 @@ def sweep(config: str | Path, overrides: list[str], algo: str, learning_rates: l
         final = read_evals(run_dir)[-1]
         rows.append({"learning_rate": rate, "validation_mean_reward": final["mean_reward"],
                      "validation_success_rate": final["success_rate"]})
-    best = max(rows, key=lambda r: r["validation_mean_reward"])
+    best, tied = best_rate(rows)
     report = {"algo": algo, "steps": steps, "validation_tasks": validation_tasks, "runs": rows,
-              "best_learning_rate": best["learning_rate"]}
+              "best_learning_rate": best, "tied_learning_rates": tied}
     (out / f"sweep-{algo}.json").write_text(json.dumps(report, indent=1))
     return report
+
+
+def best_rate(rows: list[dict]) -> tuple[float, list[float]]:
+    """The rate with the highest ``validation_mean_reward`` (the first listed on a tie) and, where
+    more than one rate reaches that score, every such rate in grid order (else an empty list)."""
+    top = max(r["validation_mean_reward"] for r in rows)
+    tied = [r["learning_rate"] for r in rows if r["validation_mean_reward"] == top]
+    return tied[0], tied if len(tied) > 1 else []
