@@ -68,7 +68,8 @@ smollm2: $(STAMP)
 # runs are compared only with each other. A CPU with neither runs float32, 3-4x as long, and
 # rebuilds neither state: the target refuses it at once. The second state's comparison reused the
 # random-latent control's retrieved arm as its LOPD runs, so their records are kept once, under
-# random-latent/retrieved/, and copied into the comparison's lopd/ beside their BFCL scores.
+# random-latent/retrieved/, and copied into the comparison's lopd/ beside their BFCL scores. Its
+# comparison at its own sweep's rates (own-sweep/) shares the comparison's untrained base.
 SMOLLM2_CPU_ERROR := make smollm2-state: this CPU has no bfloat16 unit (neither amx_bf16 nor \
   avx512_bf16 in /proc/cpuinfo); the recorded SmolLM2 states were made with the bf16 kernels of \
   those units, float32 here rebuilds other weights 3-4x as slowly, and their SHA-256 checks would \
@@ -93,10 +94,11 @@ smollm2-state: smollm2-cpu smollm2 $(VLLM_STAMP)
 	  --bank runs/smollm2-bank --out runs/smollm2-composer --set cold_start.epochs=3 \
 	  --set cold_start.validation_tasks=100 --set cold_start.validation_samples=2; }
 	sha256sum -c $(SMOLLM2_STATE)/cold-start/composer-epoch-3.sha256
-	for kept in sweep compare random-latent; do test ! -d $(SMOLLM2_STATE)/$$kept || { \
+	for kept in sweep compare random-latent own-sweep; do test ! -d $(SMOLLM2_STATE)/$$kept || { \
 	  mkdir -p runs/smollm2-$$kept && cp -rn $(SMOLLM2_STATE)/$$kept/. runs/smollm2-$$kept/; }; done
 	test ! -d $(SMOLLM2_STATE)/random-latent/retrieved || \
 	  cp -rn $(SMOLLM2_STATE)/random-latent/retrieved/. runs/smollm2-compare/lopd/
+	test ! -d $(SMOLLM2_STATE)/own-sweep || cp -rn $(SMOLLM2_STATE)/compare/base runs/smollm2-own-sweep/
 
 # ruff (pyflakes, isort, pyupgrade) and import-linter's layers contract (pyproject.toml): a new
 # import cycle or a module importing from a floor above its own fails here.
