@@ -99,6 +99,14 @@ def test_runs_evaluated_at_other_steps_name_the_step_in_each_cell(tmp_path):
     text = run_table.table_markdown(run_table.run_table(out))
     assert "at each evaluation (step: figure)" in text
     assert "| a/seed0 | 0: 0.5000 (0.00) / **2: 0.6000 (0.00)** |" in text
+    # A sweep's folders (ALGO-lrRATE) go in the method table's order; one evaluation is a step.
+    sweep = tmp_path / "sweep"
+    for name in ("lopd-lr3e-05", "grpo-lr3e-05", "sdft-lr3e-05"):
+        _run(sweep / name, [(0.5, 0.0)], [1], [1], [0], {"answer": 4}, 2.0, eval_every=8)
+    text = run_table.table_markdown(run_table.run_table(sweep))
+    assert "held-out mean reward (success) at step 0 |" in text
+    assert [line.split(" | ")[0] for line in text.splitlines()[2:]] == [
+        "| grpo-lr3e-05", "| sdft-lr3e-05", "| lopd-lr3e-05"]
     # One run folder alone is a table of one row.
     single = run_table.run_table(out / "b" / "seed0")
     assert [r["run"] for r in single["runs"]] == ["seed0"]

@@ -33,7 +33,8 @@ ENDINGS = {"answer": "answer{s}", "max_turns": "at the turn limit",
 
 def find_runs(folder: Path) -> list[tuple[str, Path]]:
     """(label, path) of every run under ``folder`` in table order: methods in the method table's
-    order (other names alphabetically), seeds by number. The base of a comparison is the path of
+    order (a folder ``ALGO/...`` or ``ALGO-...``; other names alphabetically), then by the numbers
+    in the label (seeds). The base of a comparison is the path of
     its ``eval.json``."""
     folder = Path(folder)
     if not folder.is_dir():
@@ -50,10 +51,10 @@ def find_runs(folder: Path) -> list[tuple[str, Path]]:
                                 f"in its subfolders or in theirs, and no {BASE}/eval.json)")
 
     def key(item):
-        parts = item[0].split("/")
-        rank = ORDER.index(parts[0]) if parts[0] in ORDER else len(ORDER)
+        method = item[0].split("/")[0].split("-")[0]
+        rank = ORDER.index(method) if method in ORDER else len(ORDER)
         numbers = [int(n) for n in re.findall(r"\d+", item[0])]
-        return rank, parts[0], numbers, item[0]
+        return rank, method, numbers, item[0]
 
     return sorted(found, key=key)
 
@@ -155,8 +156,11 @@ def table_markdown(report: dict) -> str:
         cells[-1] = f"**{cells[-1]}**"
         return " / ".join(cells)
 
-    steps = " / ".join(str(s) for s in shared) if shared else "each evaluation (step: figure)"
-    header = ["run", f"held-out mean reward (success) at {'steps ' if shared else ''}{steps}",
+    if shared:
+        steps = f"step{'s' if len(shared) > 1 else ''} {' / '.join(str(s) for s in shared)}"
+    else:
+        steps = "each evaluation (step: figure)"
+    header = ["run", f"held-out mean reward (success) at {steps}",
               "episodes of the last evaluation", "training success (steps with any)",
               "median step (backward)"]
     header += [f"{env} {transfer_metric(env)} (scoring time)" for env in envs]
