@@ -173,11 +173,18 @@ def test_a_tiny_comparison_runs_and_reuses_finished_runs(tmp_path, monkeypatch):
     for algo in ("grpo", "lopd"):
         for key in ("mean_reward", "success_rate"):
             assert parallel["per_seed"][algo][key] == pytest.approx(report["per_seed"][algo][key])
-    # A second compare reuses every finished run instead of training again.
     from lopd import pipeline, stages
 
     monkeypatch.setattr(pipeline, "train",
                         lambda *a, **k: pytest.fail("should reuse the finished run"))
+    # --isolate trains even one run at a time in a process of its own (this process trains
+    # nothing), with the same numbers as the in-process run.
+    isolated = cmp.compare("tiny", sets, ["grpo"], 1, tmp_path / "iso", {"grpo": 3e-4},
+                           isolate=True)
+    assert isolated["per_seed"]["grpo"]["mean_reward"] == \
+        pytest.approx(report["per_seed"]["grpo"]["mean_reward"][:1])
+    assert not (tmp_path / "iso" / "grpo" / "seed0.log").exists()  # printed, not logged
+    # A second compare reuses every finished run instead of training again.
     again = cmp.compare("tiny", sets, ["base", "grpo", "lopd"], 2, out, {"grpo": 3e-4})
     assert again["per_seed"] == json.loads((out / "results.json").read_text())["per_seed"]
     # --transfer scores the base and every final student on another environment's eval split:

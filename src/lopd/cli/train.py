@@ -56,7 +56,7 @@ def cmd_compare(args) -> int:
     out = Path(args.out)
     report = compare(args.config, lopd_input_overrides(args), args.algos, args.seeds, out,
                      _learning_rates(args.lr), jobs=args.jobs, transfer=args.transfer,
-                     transfer_tasks=args.transfer_tasks)
+                     transfer_tasks=args.transfer_tasks, isolate=args.isolate)
     print((out / "results.md").read_text())
     print(f"figures: {out / 'reward_vs_generations.png'}; all numbers: {out / 'results.json'}")
     write_json(args.json_path, report)
@@ -98,7 +98,7 @@ def cmd_ablate(args) -> int:
     out = Path(args.out)
     track = [k.strip() for k in args.track.split(",") if k.strip()]
     report = ablation(args.config, lopd_input_overrides(args), args.algo, arms, args.seeds, out,
-                      track, jobs=args.jobs)
+                      track, jobs=args.jobs, isolate=args.isolate)
     print((out / "results.md").read_text())
     print(f"figure: {out / 'ablation.png'}; all numbers: {out / 'results.json'}")
     write_json(args.json_path, report)
@@ -145,6 +145,9 @@ def register(sub) -> None:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--jobs", type=int, default=1,
                    help="training runs at once, as separate processes (e.g. one per core)")
+    p.add_argument("--isolate", action="store_true",
+                   help="train every run in its own process even with --jobs 1 (a real model's "
+                   "runs slow down one after another in one long-lived process)")
     p.add_argument("--out", required=True, help="folder of the comparison")
     p.add_argument("--lr", action="append", default=[], metavar="ALGO=RATE",
                    help="learning rate of one algorithm (its best from the validation sweep)")
@@ -181,6 +184,9 @@ def register(sub) -> None:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--jobs", type=int, default=1,
                    help="training runs at once, as separate processes (e.g. one per core)")
+    p.add_argument("--isolate", action="store_true",
+                   help="train every run in its own process even with --jobs 1 (a real model's "
+                   "runs slow down one after another in one long-lived process)")
     p.add_argument("--track", default="", metavar="KEY[,KEY]",
                    help="per-step metrics to follow, e.g. delta,beta")
     p.add_argument("--out", required=True, help="folder of the ablation")

@@ -38,9 +38,10 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def ablation(config: str | Path, overrides: list[str], algo: str, arms: dict[str, list[str]],
-             seeds: int, out: Path, track: list[str], jobs: int = 1) -> dict:
-    """See the module docstring; ``jobs`` > 1 trains that many runs at once in subprocesses."""
-    report = train_arms(config, overrides, algo, arms, seeds, out, track, jobs)
+             seeds: int, out: Path, track: list[str], jobs: int = 1, isolate: bool = False) -> dict:
+    """See the module docstring; ``jobs`` > 1 trains that many runs at once in subprocesses, and
+    ``isolate`` every run in a subprocess of its own even one at a time."""
+    report = train_arms(config, overrides, algo, arms, seeds, out, track, jobs, isolate)
     (out / "results.json").write_text(json.dumps(report, indent=1))
     (out / "results.md").write_text(markdown(report, track))
     plot(report, track, out / "ablation.png")
@@ -48,7 +49,8 @@ def ablation(config: str | Path, overrides: list[str], algo: str, arms: dict[str
 
 
 def train_arms(config: str | Path, overrides: list[str], algo: str, arms: dict[str, list[str]],
-               seeds: int, out: Path, track: list[str], jobs: int = 1) -> dict:
+               seeds: int, out: Path, track: list[str], jobs: int = 1,
+               isolate: bool = False) -> dict:
     """Train (or reuse) every arm × seed in ``OUT/ARM/seedS`` and read the runs back: the report
     :func:`ablation` writes, without writing it. An arm's settings may be empty (the config as
     given). Each arm's row also holds every seed's held-out curve (``evals``: generations and
@@ -65,7 +67,7 @@ def train_arms(config: str | Path, overrides: list[str], algo: str, arms: dict[s
     out.mkdir(parents=True, exist_ok=True)
     for (arm, seed), cfg in configs.items():
         check_reusable(cfg, out / arm / f"seed{seed}")
-    if jobs > 1:
+    if jobs > 1 or isolate:
         _train_in_parallel([(cfg, out / arm / f"seed{seed}", algo)
                             for (arm, seed), cfg in configs.items()], jobs)
     per_arm = {}

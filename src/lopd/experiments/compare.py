@@ -71,7 +71,9 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 def _train_in_parallel(jobs: list[tuple[Config, Path, str]], workers: int) -> None:
     """Run the unfinished ``(config, run_dir, algo)`` jobs as ``lopd train`` processes, ``workers``
-    at a time (each with the config's thread count); a failed run stops the comparison."""
+    at a time (each with the config's thread count); a failed run stops the comparison. Several
+    workers write to a log beside each run (``seedS.log``); one worker's run prints to the
+    console, so its progress shows as an in-process run's would."""
     import shutil
     import subprocess
     import sys
@@ -96,23 +98,30 @@ def _train_in_parallel(jobs: list[tuple[Config, Path, str]], workers: int) -> No
                     config = Path(tmp) / f"{algo}-{run_dir.name}.yaml"
                     write_config(cfg, config)
                     args = ["--config", str(config), "--out", str(run_dir), "--algo", algo]
+                command = [sys.executable, "-m", "lopd", "train", *args]
+                if workers == 1:
+                    print(f"training {run_dir} in its own process", flush=True)
+                    running.append((subprocess.Popen(command), run_dir, None))
+                    continue
                 log = open(run_dir.parent / f"{run_dir.name}.log", "w")
-                proc = subprocess.Popen([sys.executable, "-m", "lopd", "train", *args],
-                                        stdout=log, stderr=subprocess.STDOUT)
+                proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
                 running.append((proc, run_dir, log))
             time.sleep(1.0)
             for item in list(running):
                 proc, run_dir, log = item
                 if proc.poll() is None:
                     continue
-                log.close()
+                if log is not None:
+                    log.close()
                 running.remove(item)
                 if proc.returncode != 0:
                     for other, _, other_log in running:
                         other.kill()
                         other_log.close()
-                    raise RuntimeError(f"training {run_dir} failed (exit {proc.returncode}); see "
-                                       f"{run_dir.parent / (run_dir.name + '.log')}")
+                    where = ("its output is above" if log is None else
+                             f"see {run_dir.parent / (run_dir.name + '.log')}")
+                    raise RuntimeError(f"training {run_dir} failed (exit {proc.returncode}); "
+                                       f"{where}")
 
 
 def run_config(config: str | Path, overrides: list[str], algo: str, seed: int,
@@ -222,8 +231,10 @@ def run_transfer_score(config: str | Path, overrides: list[str], run_dir: Path, 
 
 def compare(config: str | Path, overrides: list[str], algos: list[str], seeds: int, out: Path,
             learning_rates: dict[str, float] | None = None, jobs: int = 1,
-            transfer: list[str] = (), transfer_tasks: int = 0) -> dict:
-    """See the module docstring; ``jobs`` > 1 trains that many runs at once in subprocesses;
+            transfer: list[str] = (), transfer_tasks: int = 0, isolate: bool = False) -> dict:
+    """See the module docstring; ``jobs`` > 1 trains that many runs at once in subprocesses, and
+    ``isolate`` trains every run in a subprocess of its own even one at a time (a long-lived
+    process running a real model's runs one after another slows down run after run);
     ``transfer_tasks`` > 0 scores only the first that many tasks of each transfer environment."""
     check_algos(algos)
     check_transfer(list(transfer))
@@ -236,7 +247,7 @@ def compare(config: str | Path, overrides: list[str], algos: list[str], seeds: i
     load_config(config, overrides)  # a bad key fails before any run starts
     learning_rates = learning_rates or {}
     out.mkdir(parents=True, exist_ok=True)
-    if jobs > 1:
+    if jobs > 1 or isolate:
         _train_in_parallel([(run_config(config, overrides, algo, seed, learning_rates),
                              out / algo / f"seed{seed}", algo)
                             for algo in algos if algo != BASE for seed in range(seeds)], jobs)
