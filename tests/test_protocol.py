@@ -220,9 +220,10 @@ def test_training_at_another_temperature_is_refused_before_the_run_folder_is_wri
     assert not (tmp_path / "run").exists()
 
 
-def test_an_ablation_trains_arms_that_differ_only_in_their_settings(inputs, tmp_path):
+def test_an_ablation_trains_arms_that_differ_only_in_their_settings(inputs, tmp_path, monkeypatch):
     import yaml
 
+    from lopd import pipeline
     from lopd.experiments.ablation import ablation, parse_arm
 
     assert parse_arm("success:lopd.margin_weight=success, lopd.margin=0.1") == \
@@ -238,7 +239,11 @@ def test_an_ablation_trains_arms_that_differ_only_in_their_settings(inputs, tmp_
     path = tmp_path / "base.yaml"
     trainer.write_config(base, path)
     arms = {"signed": ["lopd.margin_weight=signed_reward"], "success": ["lopd.margin_weight=success"]}
-    report = ablation(path, sets, "lopd", arms, 1, tmp_path / "abl", ["delta", "beta"])
+    # --isolate: each arm's run is trained by a `lopd train` process of its own, not this one.
+    with monkeypatch.context() as patch:
+        patch.setattr(pipeline, "train", lambda *a, **k: pytest.fail("trained in this process"))
+        report = ablation(path, sets, "lopd", arms, 1, tmp_path / "abl", ["delta", "beta"],
+                          isolate=True)
     configs = {a: yaml.safe_load((tmp_path / "abl" / a / "seed0" / "config.yaml").read_text())
                for a in arms}
     differ = {(section, key) for section in configs["signed"]
