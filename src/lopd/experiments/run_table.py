@@ -9,8 +9,8 @@ every transfer score cached beside it (``transfer-ENV.json``: the score and its 
 A comparison's untrained base (``base/eval.json``) is a row too. Nothing is trained or loaded, so
 the records kept in the repository print the same table anywhere.
 
-    python -m lopd.experiments.run_table runs/smollm2-own-sweep \\
-        --out docs/results/smollm2/avx512-bf16/own-sweep/runs
+    python -m lopd.experiments.run_table docs/results/smollm2/avx512-bf16/own-sweep \\
+        --out docs/results/smollm2/avx512-bf16/own-sweep
 """
 
 from __future__ import annotations
@@ -34,8 +34,7 @@ ENDINGS = {"answer": "answer{s}", "max_turns": "at the turn limit",
 def find_runs(folder: Path) -> list[tuple[str, Path]]:
     """(label, path) of every run under ``folder`` in table order: methods in the method table's
     order (a folder ``ALGO/...`` or ``ALGO-...``; other names alphabetically), then by the numbers
-    in the label (seeds). The base of a comparison is the path of
-    its ``eval.json``."""
+    in the label (seeds). The base of a comparison is the path of its ``eval.json``."""
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder} is not a folder")
